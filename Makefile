@@ -1,0 +1,38 @@
+# cpserve — two commands on a fresh machine: `make up` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup up test test-local bench clean sysdeps
+
+# Debian libraries the Mooncake transfer engine loads (needs root; skipped when already present).
+sysdeps:
+	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q libnl-route-3.so.200; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 iproute2 util-linux >/dev/null; \
+	  else echo "warning: libibverbs1/libnl missing and not root: install them to use the Mooncake transport"; fi; \
+	fi
+
+$(STAMP): pyproject.toml
+	$(MAKE) sysdeps
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+up: setup
+	$(VENV)/bin/cpserve up
+
+# Tests run inside a private network namespace with only loopback (no traffic can leave 127.0.0.1).
+test: setup
+	@bash scripts/run-tests.sh $(PYTEST_ARGS)
+
+test-local: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

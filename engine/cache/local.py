@@ -1,0 +1,67 @@
+"""Cache access for a rank that holds every row of its requests (the one-process reference,
+and each prefill CP rank, which keeps a full copy of the cache).
+
+What one rank stores: all cache entries of its requests (see engine/cache/pool.py).
+What crosses: nothing — this is the single-device path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.pool import KVPool
+from engine.model.attention import absorbed_decode, topk_mask
+
+
+def pad_rows(pool_layer: torch.Tensor, row_lists: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather rows per request into [B, Lmax, D] plus a validity mask [B, Lmax]."""
+    lmax = max((r.numel() for r in row_lists), default=0)
+    rows = pool_layer.new_zeros(len(row_lists), max(lmax, 1), pool_layer.shape[-1])
+    valid = torch.zeros(len(row_lists), max(lmax, 1), dtype=torch.bool)
+    for b, r in enumerate(row_lists):
+        rows[b, : r.numel()] = pool_layer[r]
+        valid[b, : r.numel()] = True
+    return rows, valid
+
+
+class LocalKV:
+    """KVAccess over a :class:`KVPool` whose rows are addressed directly by slot.
+
+    ``new_rows``: the row of each token this forward computes (own tokens, batch order);
+    ``req_rows[i]``: the rows of request i's positions 0..kv_len-1.
+    """
+
+    def __init__(self, pool: KVPool, new_rows: torch.Tensor, req_rows: list[torch.Tensor]):
+        self.pool, self.new_rows, self.req_rows = pool, new_rows, req_rows
+
+    def store(self, layer, latent, index_key):
+        self.pool.latent(layer)[self.new_rows] = latent.to(self.pool.latent_pool.dtype)
+        if index_key is not None:
+            self.pool.index(layer)[self.new_rows] = index_key.to(self.pool.index_pool.dtype)
+
+    def latent(self, layer, req):
+        return self.pool.latent(layer)[self.req_rows[req]]
+
+    def index_keys(self, layer, req):
+        return self.pool.index(layer)[self.req_rows[req]]
+
+    def decode_select(self, layer, iq, iw, k, indexer):
+        """Per request: the positions its query attends to, or None for all of them."""
+        out = []
+        for b in range(iq.shape[0]):
+            keys = self.index_keys(layer, b)
+            if keys.shape[0] <= k:
+                out.append(None)
+                continue
+            scores = indexer.scores(iq[b : b + 1], iw[b : b + 1], keys)
+            valid = torch.ones_like(scores, dtype=torch.bool)
+            out.append(topk_mask(scores, k, valid)[0].nonzero().squeeze(1))
+        return out
+
+    def decode_attention(self, layer, q_lat, q_rope, sel, scale):
+        rows = []
+        for b, r in enumerate(self.req_rows):
+            rows.append(r if sel is None or sel[b] is None else r[sel[b]])
+        gathered, valid = pad_rows(self.pool.latent(layer), rows)
+        out, _ = absorbed_decode(q_lat, q_rope, gathered.to(q_lat.dtype), valid, self.pool.cfg.kv_lora_rank, scale)
+        return out

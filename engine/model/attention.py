@@ -1,0 +1,124 @@
+"""Attention math (torch backend, CPU and CUDA), independent of where cache rows live.
+
+Contract of this backend (the "attention backend contract"):
+- Every function that returns a log-sum-exp returns it in **base e** (natural log), shape
+  [..., heads], fp32. A query with no visible key has ``lse = -inf`` and output exactly 0.
+- Partial results over disjoint key sets merge exactly with :func:`merge_partials`.
+
+Two forms of MLA attention:
+- *extend* (prefill): keys and values are expanded from the latent cache with ``kv_b_proj``
+  and attended with SDPA (compute-bound; same math as transformers).
+- *absorbed decode*: ``W_UK`` is folded into the query and ``W_UV`` applied after the
+  weighted sum, so each step reads the ``kv_lora_rank + rope`` latent rows only (memory-bound).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LSE_BASE = "e"
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q [Tq, H, dk], k [L, H, dk], v [L, H, dv], mask [Tq, L] bool (True = may attend).
+
+    Returns out [Tq, H, dv] and, if asked, lse [Tq, H] (base e).
+    """
+    if not return_lse:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            scale=scale,
+        )
+        return out.squeeze(0).transpose(0, 1), None
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]
+    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
+    out = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+    return out, lse.transpose(0, 1)
+
+
+def absorbed_decode(
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA over latent rows.
+
+    q_lat [B, H, r] (query nope part already multiplied by W_UK), q_rope [B, H, dr],
+    rows [B, L, r + dr] (compressed KV then rotary key), valid [B, L] bool.
+    Returns (out_lat [B, H, r], lse [B, H] base e); W_UV is applied by the caller.
+    """
+    c, kr = rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
+    scores = (torch.einsum("bhr,blr->bhl", q_lat, c) + torch.einsum("bhd,bld->bhl", q_rope, kr)).float() * scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
+    out = torch.einsum("bhl,blr->bhr", probs.to(rows.dtype), c)
+    return out, lse
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of attention over disjoint key shards.
+
+    outs [S, ..., d] (each shard's normalised output), lses [S, ...] (base e).
+    out = Σ_s exp(lse_s − lse) · out_s with lse = logsumexp_s(lse_s). A shard with
+    lse = −inf contributes exactly 0; if every shard is empty the result is 0 with lse −inf.
+    """
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - _finite(lse).unsqueeze(0))
+    weights = torch.where(torch.isneginf(lses), torch.zeros_like(weights), weights)
+    out = (weights.unsqueeze(-1).to(outs.dtype) * outs).sum(dim=0)
+    return out, lse
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with −inf replaced by 0, so exp(score − lse) stays 0 (not NaN) for empty rows."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def topk_mask(scores: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the top-k valid entries of `scores` along the last axis.
+
+    Order: higher score first, then lower position (a total order, so the selection is exact
+    and the same however the candidates were split). Invalid entries are never selected;
+    if at most k entries are valid, all of them are.
+    """
+    scores = scores.masked_fill(~valid, float("-inf"))
+    n = scores.shape[-1]
+    if k >= n:
+        return valid.clone()
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    above = scores > kth
+    need = k - above.sum(dim=-1, keepdim=True)
+    tied = scores == kth
+    chosen = above | (tied & (torch.cumsum(tied, dim=-1) <= need))
+    return chosen & valid
+
+
+def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of a 1-D candidate list under the same total order as :func:`topk_mask`.
+
+    Returns (scores, positions) of the chosen candidates, sorted by position.
+    """
+    if scores.numel() <= k:
+        order = torch.argsort(positions)
+        return scores[order], positions[order]
+    order = torch.argsort(positions)
+    s, p = scores[order], positions[order]
+    keep = topk_mask(s.unsqueeze(0), k, torch.ones_like(s, dtype=torch.bool).unsqueeze(0)).squeeze(0)
+    return s[keep], p[keep]

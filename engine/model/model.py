@@ -1,0 +1,339 @@
+"""The DeepSeek-V3-family model (deepseek_v3, deepseek_v32, glm_moe_dsa) as plain torch modules.
+
+Module and parameter names match what transformers writes, so a checkpoint loads by name.
+The model reads like single-device code; parallelism enters only through the
+:class:`engine.model.batch.ForwardBatch` it is given:
+
+- ``batch.kv.store(layer, latents, index_keys)`` — materialise this forward's new cache entries
+  (a CP rank all-gathers them first; a DCP rank keeps only the rows it owns);
+- ``batch.kv.latent(layer, i)`` / ``batch.kv.index_keys(layer, i)`` — the cache of request i,
+  in position order, for extend (prefill) attention;
+- ``batch.kv.decode_select(...)`` / ``batch.kv.decode_attention(...)`` — sparse selection and
+  absorbed attention for decode (a DCP rank attends over its own rows and merges by LSE);
+- ``batch.all_reduce(x)`` — the tensor-parallel reduction after row-parallel projections
+  (identity without TP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.attention import extend_attention, topk_mask
+from engine.model.batch import ForwardBatch
+from engine.model.config import ModelConfig
+from engine.model.rope import Rotary, apply_rope
+
+EXTEND_QUERY_CHUNK = 1024
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _linear(i: int, o: int, bias: bool = False) -> nn.Linear:
+    layer = nn.Linear(i, o, bias=bias)
+    layer.requires_grad_(False)
+    return layer
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = _linear(hidden, inter)
+        self.up_proj = _linear(hidden, inter)
+        self.down_proj = _linear(inter, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Grouped sigmoid gating with score-correction bias (DeepSeek-V3 style), in fp32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        per_group = cfg.n_routed_experts // cfg.n_group
+        group_scores = choice.view(-1, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, cfg.n_group, per_group).reshape(-1, cfg.n_routed_experts)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        idx = torch.topk(choice, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, weights * cfg.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """Routed experts stored stacked: gate/up [E, I, H], down [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(e, i, h), requires_grad=False)
+        self.up_proj = nn.Parameter(torch.empty(e, i, h), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
+        token_of = order // idx.shape[1]
+        slot_of = order % idx.shape[1]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok, slot = token_of[start : start + n], slot_of[start : start + n]
+            start += n
+            h = x[tok]
+            h = F.silu(F.linear(h, self.gate_proj[e])) * F.linear(h, self.up_proj[e])
+            h = F.linear(h, self.down_proj[e]) * weights[tok, slot, None].to(x.dtype)
+            out.index_add_(0, tok, h)
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, weights = self.gate(x)
+        out = self.experts(x, idx, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer: scores every (query, key) pair and keeps the top-k keys.
+
+    Score(q, t) = Σ_h w_h(q) · relu(q_h · k_t / sqrt(d)) · H^-1/2, in fp32, over causal keys.
+    The index key (one vector of ``index_head_dim`` per token) is what the index cache stores.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.interleave = cfg.indexer_rope_interleave
+        self.wq_b = _linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = _linear(cfg.hidden_size, self.head_dim)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.k_norm.requires_grad_(False)
+        self.weights_proj = _linear(cfg.hidden_size, self.n_heads)
+        self.scale = self.head_dim ** -0.5
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
+        return torch.cat([apply_rope(rot, cos, sin, self.interleave), rest], dim=-1)
+
+    def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Index keys [T, d] of tokens with hidden states x [T, hidden]."""
+        return self._rope(self.k_norm(self.wk(x)), cos, sin)
+
+    def query(self, x: torch.Tensor, q_resid: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index queries [T, H, d] in fp32, head weights [T, H] in fp32, pre-scaled)."""
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        q = self._rope(q, cos, sin).float()
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads ** -0.5)
+        return q, w
+
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Index scores [Tq, L] for queries q [Tq, H, d], weights w [Tq, H], keys [L, d]."""
+        s = F.relu(torch.einsum("qhd,ld->qhl", q, keys.float()) * self.scale)
+        return torch.einsum("qh,qhl->ql", w, s)
+
+
+class Attention(nn.Module):
+    """Multi-head latent attention (MLA), optionally with a DSA indexer.
+
+    The cache holds, per token, the normalised compressed KV (``kv_lora_rank``) followed by the
+    rotated shared key (``qk_rope_head_dim``): one latent entry shared by all heads.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h, qk, bias = cfg.num_heads, cfg.qk_head_dim, cfg.attention_bias
+        if cfg.q_lora_rank:
+            self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank, bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = _linear(cfg.q_lora_rank, h * qk)
+        else:
+            self.q_proj = _linear(cfg.hidden_size, h * qk)
+        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, cfg.latent_dim, bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = _linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = _linear(h * cfg.v_head_dim, cfg.hidden_size, bias)
+        self.indexer_type = cfg.indexer_types[layer]
+        self.indexer = Indexer(cfg) if self.indexer_type == "full" else None
+        self.scale = cfg.softmax_scale
+
+    # ---- projections ---------------------------------------------------------------------
+    @property
+    def num_local_heads(self) -> int:
+        return self.kv_b_proj.weight.shape[0] // (self.cfg.qk_nope_head_dim + self.cfg.v_head_dim)
+
+    def project_q(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q_nope [T, H, dn], rotated q_rope [T, H, dr], q latent residual or None)."""
+        cfg = self.cfg
+        if cfg.q_lora_rank:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
+        else:
+            q_resid, q = None, self.q_proj(x)
+        q = q.view(x.shape[0], -1, cfg.qk_head_dim)
+        q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+        return q_nope, apply_rope(q_rope, cos, sin, cfg.mla_rope_interleave), q_resid
+
+    def project_latent(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """The cache entries [T, kv_lora_rank + dr] of tokens with hidden states x."""
+        cfg = self.cfg
+        kv = self.kv_a_proj_with_mqa(x)
+        c = self.kv_a_layernorm(kv[:, : cfg.kv_lora_rank])
+        kr = apply_rope(kv[:, None, cfg.kv_lora_rank :], cos, sin, cfg.mla_rope_interleave)[:, 0]
+        return torch.cat([c, kr], dim=-1)
+
+    def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # W_UK [H,dn,r], W_UV [H,dv,r]
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos, sin, prev_sel):
+        q_nope, q_rope, q_resid = self.project_q(x, cos, sin)
+        latent = self.project_latent(x, cos, sin)
+        index_key = self.indexer.key(x, cos, sin) if self.indexer is not None else None
+        batch.kv.store(self.layer, latent, index_key)
+        if self.indexer is not None:
+            iq, iw = self.indexer.query(x, q_resid, cos, sin)
+        else:
+            iq = iw = None
+        if batch.is_decode:
+            out, sel = self._decode(batch, q_nope, q_rope, iq, iw, prev_sel)
+        else:
+            out, sel = self._extend(batch, q_nope, q_rope, iq, iw, prev_sel)
+        return batch.all_reduce(self.o_proj(out.reshape(x.shape[0], -1))), sel
+
+    def _selection_mode(self) -> str:
+        return {"full": "own", "shared": "reuse"}.get(self.indexer_type, "dense")
+
+    def _extend(self, batch, q_nope, q_rope, iq, iw, prev_sel):
+        """Prefill: each request's own queries read its whole causal history from the cache."""
+        cfg = self.cfg
+        heads = q_nope.shape[1]
+        out = q_nope.new_empty(q_nope.shape[0], heads, cfg.v_head_dim)
+        mode = self._selection_mode()
+        sels = []
+        for i, req in enumerate(batch.requests):
+            latent = batch.kv.latent(self.layer, i)
+            kv = self.kv_b_proj(latent[:, : cfg.kv_lora_rank]).view(latent.shape[0], heads, -1)
+            k = torch.cat(
+                [kv[..., : cfg.qk_nope_head_dim], latent[:, None, cfg.kv_lora_rank :].expand(-1, heads, -1)], dim=-1
+            )
+            v = kv[..., cfg.qk_nope_head_dim :]
+            keys_idx = batch.kv.index_keys(self.layer, i) if mode == "own" else None
+            req_sel = []
+            key_pos = torch.arange(latent.shape[0])
+            for c0 in range(0, req.q_index.numel(), EXTEND_QUERY_CHUNK):
+                qi = req.q_index[c0 : c0 + EXTEND_QUERY_CHUNK]
+                qp = req.q_pos[c0 : c0 + EXTEND_QUERY_CHUNK]
+                mask = key_pos[None, :] <= qp[:, None]
+                if mode == "own":
+                    scores = self.indexer.scores(iq[qi], iw[qi], keys_idx)
+                    mask = topk_mask(scores, cfg.index_topk, mask)
+                elif mode == "reuse":
+                    mask = prev_sel[i][len(req_sel)]
+                req_sel.append(mask)
+                q = torch.cat([q_nope[qi], q_rope[qi]], dim=-1)
+                out[qi] = extend_attention(q, k, v, mask, self.scale)[0]
+            sels.append(req_sel)
+        return out, (sels if mode != "dense" else None)
+
+    def _decode(self, batch, q_nope, q_rope, iq, iw, prev_sel):
+        """One new token per request: absorbed MLA over the latent rows (sparse if DSA)."""
+        w_uk, w_uv = self._w_kv()
+        q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
+        mode = self._selection_mode()
+        if mode == "own":
+            sel = batch.kv.decode_select(self.layer, iq, iw, self.cfg.index_topk, self.indexer)
+        elif mode == "reuse":
+            sel = prev_sel
+        else:
+            sel = None
+        out_lat = batch.kv.decode_attention(self.layer, q_lat, q_rope, sel, self.scale)
+        return torch.einsum("bhr,hvr->bhv", out_lat, w_uv), sel
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, batch, cos, sin, prev_sel):
+        attn, sel = self.self_attn(self.input_layernorm(x), batch, cos, sin, prev_sel)
+        x = x + attn
+        x = x + batch.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+        return x, sel
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Embedding → decoder layers → norm → LM head. `forward` returns logits of `batch.logit_index`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+        self.rotary = Rotary(cfg)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        sel = None
+        for layer in self.model.layers:
+            x, layer_sel = layer(x, batch, cos, sin, sel)
+            if layer_sel is not None:
+                sel = layer_sel
+        x = self.model.norm(x[batch.logit_index])
+        return self.lm_head(x).float()
