@@ -119,7 +119,9 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str
                 f"checkpoint: tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}"
             )
     keep_fp32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
-    state = {n: t.to(device=device, dtype=torch.float32 if n.endswith(keep_fp32) else torch_dtype)
+    # Fresh, aligned copies (not views of the mmapped file): BLAS results can depend on alignment,
+    # and every rank must compute bit-for-bit what the reference computes.
+    state = {n: t.to(device=device, dtype=torch.float32 if n.endswith(keep_fp32) else torch_dtype, copy=True)
              for n, t in tensors.items()}
     lm.load_state_dict(state, strict=True, assign=True)
     lm.rotary = type(lm.rotary)(cfg)

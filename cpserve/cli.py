@@ -1,0 +1,128 @@
+"""The `cpserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError,)  # InvalidRequest, ModelConfigError, CheckpointError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (embedded model; default)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute and cache dtype")
+
+
+def add_prompt_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    g = p.add_mutually_exclusive_group(required=required)
+    g.add_argument("--prompt", help="prompt text (tokenised with the checkpoint's tokenizer)")
+    g.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
+
+
+def prompt_ids_from_args(args: argparse.Namespace, tokenizer, parser: argparse.ArgumentParser) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            parser.error(f"--prompt-ids: expected comma-separated integers, got {args.prompt_ids!r}")
+    return tokenizer.encode(args.prompt)
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from engine.model.sampler import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop_token_ids=() if args.ignore_eos else None,
+    )
+
+
+def print_generation(args, tokenizer, output_ids: list[int], ttft_ms: float, tpot_ms: float, extra: dict | None = None):
+    result = {"output_ids": output_ids, "text": tokenizer.decode(output_ids),
+              "ttft_ms": round(ttft_ms, 3), "tpot_ms": None if tpot_ms != tpot_ms else round(tpot_ms, 3)}
+    if args.json:
+        print(json.dumps({**result, **(extra or {})}))
+    else:
+        print(f"output ids : {output_ids}")
+        print(f"text       : {result['text']!r}")
+        print(f"TTFT       : {ttft_ms:.1f} ms   TPOT: {tpot_ms:.2f} ms/token")
+        for k, v in (extra or {}).items():
+            print(f"{k:<11}: {v}")
+
+
+# ---- commands ----------------------------------------------------------------------------
+def cmd_reference(args, parser) -> int:
+    from engine.reference import ReferenceEngine
+
+    t0 = time.perf_counter()
+    engine = ReferenceEngine(args.model, dtype=args.dtype, chunk_size=args.chunk_size)
+    load_s = time.perf_counter() - t0
+    ids = prompt_ids_from_args(args, engine.tokenizer, parser)
+    seq = engine.generate([ids], sampling_from_args(args))[0]
+    extra = {} if args.json else {"model": str(engine.model_dir), "load": f"{load_s:.2f} s",
+                                  "prompt": f"{len(ids)} tokens", "finish": seq.finish_reason}
+    print_generation(args, engine.tokenizer, seq.output_ids, seq.ttft_ms, seq.tpot_ms, extra)
+    return 0
+
+
+def cmd_make_tiny(args, parser) -> int:
+    from engine.model.tiny import make_tiny
+
+    path = make_tiny(args.dir, args.type, seed=args.seed)
+    print(f"wrote {args.type} tiny checkpoint to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cpserve", description="Disaggregated prefill/decode serving with context parallelism")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("reference", help="generate with the one-process reference engine (no parallelism)")
+    add_model_args(p)
+    add_prompt_args(p)
+    add_sampling_args(p)
+    p.add_argument("--chunk-size", type=int, default=4096, help="prefill chunk size in tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_reference, cmd_parser=p)
+
+    p = sub.add_parser("make-tiny", help="write a deterministic tiny Hugging Face-format checkpoint")
+    p.add_argument("dir")
+    p.add_argument("--type", default="glm_moe_dsa", choices=["deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=cmd_make_tiny, cmd_parser=p)
+
+    from engine.cache.capacity import build_parser_plan
+    from engine.parallel.layout_cli import build_parser_layout
+
+    build_parser_layout(sub)
+    build_parser_plan(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if hasattr(args, "handler"):
+            return args.handler(args, args.cmd_parser) or 0
+        return args.func(args) or 0
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""Capacity planning for the decode cache under DCP, and the `cpserve plan` command.
+
+Notation, per token: ``E = entry_bytes_per_layer * layers`` is the latent cache (one entry of
+``kv_lora_rank + qk_rope_head_dim`` values per layer, shared by all heads) and
+``I = index_bytes_per_layer * indexer_layers`` the sparse-attention index keys (only layers
+that store index keys). C is the DCP group size.
+
+The three questions:
+
+- store, bytes per token on one rank: copied index ``E/C + I`` (every rank keeps every index
+  key); split index ``(E + I)/C`` (each rank keeps the keys of its own tokens).
+- cross: the collectives in ``CapacityPlan.collectives`` (formulas in ``plan_capacity``).
+- cost: ``capacity_factor = (E + I) / bytes_per_token_per_rank`` more tokens fit than at C=1;
+  with a copied index the factor can never exceed ``ceiling = (E + I) / I``.
+
+FP8 convention: an fp8 latent entry takes ``kv_lora_rank + qk_rope_head_dim`` bytes (576 for the
+real models) and an fp8 index key ``index_head_dim + 4`` bytes (one 4-byte scale; 132).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+Indexer = Literal["copied", "split"]
+Exchange = Literal["a2a", "ag_rs"]
+KV_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp8")
+_BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp8": 1}
+_FP8_INDEX_SCALE_BYTES = 4
+_LSE_BYTES = 4  # LSEs stay fp32 whatever the activation dtype
+_CANDIDATE_BYTES = 8  # one split-index candidate: fp32 score + int32 position
+
+
+def bytes_per_value(kv_dtype: str) -> int:
+    """Bytes of one cached value: fp32 4, bf16 2, fp8 1."""
+    if kv_dtype not in _BYTES_PER_VALUE:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+    return _BYTES_PER_VALUE[kv_dtype]
+
+
+def latent_entry_bytes(kv_lora_rank: int, rope_dim: int, kv_dtype: str) -> int:
+    """Bytes of one latent cache entry (one token, one layer)."""
+    return (kv_lora_rank + rope_dim) * bytes_per_value(kv_dtype)
+
+
+def index_key_bytes(index_head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one index key (one token, one indexer layer); fp8 adds a 4-byte scale."""
+    if kv_dtype == "fp8":
+        return index_head_dim + _FP8_INDEX_SCALE_BYTES
+    return index_head_dim * bytes_per_value(kv_dtype)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a decode step, per decoded token and per layer it runs on.
+
+    ``bytes_in`` is what one rank puts in: its contribution for an all-gather, its whole input
+    buffer for all-to-all, reduce-scatter and all-reduce. ``bytes_sent`` is what one rank sends
+    with ring / pairwise algorithms: all-gather ``(C-1) * bytes_in``; all-to-all and
+    reduce-scatter ``(C-1)/C * bytes_in``; all-reduce ``2 (C-1)/C * bytes_in``.
+    """
+
+    name: str
+    op: Literal["all_gather", "all_to_all", "reduce_scatter", "all_reduce"]
+    layers: Literal["all", "indexer"]
+    num_layers: int
+    bytes_in: float
+    bytes_sent: float
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """Cache bytes and communication per DCP rank; derived values are properties."""
+
+    dcp: int
+    indexer: str
+    entry_bytes: int  # E, all layers, per token
+    index_bytes: int  # I, all indexer layers, per token
+    bytes_per_token_per_rank: float
+    capacity_factor: float
+    ceiling: float | None
+    tokens: int | None
+    collectives: tuple[Collective, ...]
+
+    @property
+    def bytes_per_token_per_rank_rounded(self) -> int:
+        """``bytes_per_token_per_rank`` rounded half up (for display)."""
+        return math.floor(self.bytes_per_token_per_rank + 0.5)
+
+    @property
+    def bytes_per_rank(self) -> int | None:
+        """Cache bytes on the busiest rank for ``tokens`` tokens (token p on rank p mod C):
+        copied ``ceil(N/C) E + N I``; split ``ceil(N/C) (E + I)``."""
+        if self.tokens is None:
+            return None
+        rows = -(-self.tokens // self.dcp)
+        if self.indexer == "copied":
+            return rows * self.entry_bytes + self.tokens * self.index_bytes
+        return rows * (self.entry_bytes + self.index_bytes)
+
+    @property
+    def bytes_sent_per_token_per_step(self) -> float:
+        """Bytes one rank sends per decoded token per step, over all layers."""
+        return sum(c.bytes_sent * c.num_layers for c in self.collectives)
+
+    def to_dict(self) -> dict:
+        """JSON-ready view; ``ceiling`` is None where there is none."""
+        out = asdict(self)
+        out["collectives"] = [asdict(c) for c in self.collectives]
+        out["bytes_per_token_per_rank_rounded"] = self.bytes_per_token_per_rank_rounded
+        out["bytes_per_rank"] = self.bytes_per_rank
+        out["bytes_sent_per_token_per_step"] = self.bytes_sent_per_token_per_step
+        return out
+
+
+def plan_capacity(
+    entry_bytes_per_layer: int,
+    layers: int,
+    index_bytes_per_layer: int,
+    indexer_layers: int,
+    dcp: int,
+    indexer: Indexer,
+    tokens: int | None,
+    num_heads: int | None = None,
+    kv_lora_rank: int | None = None,
+    rope_dim: int | None = None,
+    act_bytes: int = 4,
+    *,
+    hidden_size: int | None = None,
+    index_topk: int | None = None,
+    exchange: Exchange = "a2a",
+    replicate_q_proj: bool = False,
+) -> CapacityPlan:
+    """Plan one decode DCP group. Memory formulas are in the module docstring.
+
+    Collectives per decode step, per decoded token (none at C = 1). H = ``num_heads``,
+    r = ``kv_lora_rank``, d = ``rope_dim``, a = ``act_bytes``, h = ``hidden_size``; a
+    collective is listed only when the sizes it needs are given.
+
+    - query all-gather, every layer: each rank contributes its H/C heads of absorbed queries,
+      ``(H/C)(r + d) a``; none with ``replicate_q_proj`` (each rank computes all heads).
+    - output exchange, every layer. ``a2a``: one all-to-all of every head's partial latent
+      output and LSE, ``H (r a + 4)``. ``ag_rs``: all-gather of the LSEs, ``4 H``, then a
+      reduce-scatter of the rescaled partial outputs, ``H r a``.
+    - split-index candidates, indexer layers, split index only: all-gather of each rank's local
+      top-k of (fp32 score, int32 position), ``topk * 8``. A copied index sends nothing.
+    - tensor-parallel all-reduce of the hidden state after o_proj and after the MLP (the FFN
+      runs as TP over the same group), ``h a`` each.
+    """
+    _check_plan_inputs(entry_bytes_per_layer, layers, index_bytes_per_layer, indexer_layers,
+                       dcp, indexer, tokens)
+    if exchange not in ("a2a", "ag_rs"):
+        raise ValueError(f"exchange must be 'a2a' or 'ag_rs', got {exchange!r}")
+    total_e = entry_bytes_per_layer * layers
+    total_i = index_bytes_per_layer * indexer_layers
+    if indexer == "copied":
+        per_rank = total_e / dcp + total_i
+        ceiling = (total_e + total_i) / total_i if total_i else None
+    else:
+        per_rank = (total_e + total_i) / dcp
+        ceiling = None
+    collectives = _collectives(
+        dcp, layers, indexer_layers, indexer, num_heads, kv_lora_rank, rope_dim, act_bytes,
+        hidden_size, index_topk, exchange, replicate_q_proj,
+    )
+    return CapacityPlan(
+        dcp=dcp, indexer=indexer, entry_bytes=total_e, index_bytes=total_i,
+        bytes_per_token_per_rank=per_rank, capacity_factor=(total_e + total_i) / per_rank,
+        ceiling=ceiling, tokens=tokens, collectives=collectives,
+    )
+
+
+def _check_plan_inputs(
+    entry_bytes_per_layer: int, layers: int, index_bytes_per_layer: int, indexer_layers: int,
+    dcp: int, indexer: str, tokens: int | None,
+) -> None:
+    if dcp < 1:
+        raise ValueError(f"dcp must be >= 1, got {dcp}")
+    if indexer not in ("copied", "split"):
+        raise ValueError(f"indexer must be 'copied' or 'split', got {indexer!r}")
+    for name, value in (("entry_bytes_per_layer", entry_bytes_per_layer), ("layers", layers),
+                        ("index_bytes_per_layer", index_bytes_per_layer),
+                        ("indexer_layers", indexer_layers)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if entry_bytes_per_layer * layers == 0:
+        raise ValueError("entry_bytes_per_layer and layers must be > 0 (the cache is empty)")
+    if indexer_layers > layers:
+        raise ValueError(f"indexer_layers ({indexer_layers}) exceeds layers ({layers})")
+    if tokens is not None and tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+
+
+def _collectives(
+    C: int, layers: int, indexer_layers: int, indexer: str, num_heads: int | None,
+    kv_lora_rank: int | None, rope_dim: int | None, a: int, hidden_size: int | None,
+    index_topk: int | None, exchange: str, replicate_q_proj: bool,
+) -> tuple[Collective, ...]:
+    if C == 1:
+        return ()
+    out: list[Collective] = []
+    if num_heads is not None and kv_lora_rank is not None and rope_dim is not None:
+        H, r = num_heads, kv_lora_rank
+        if not replicate_q_proj:
+            query_bytes = H / C * (r + rope_dim) * a
+            out.append(_make("query heads", "all_gather", "all", layers, query_bytes, C))
+        if exchange == "a2a":
+            exchanged = H * (r * a + _LSE_BYTES)
+            out.append(_make("output+LSE", "all_to_all", "all", layers, exchanged, C))
+        else:
+            out.append(_make("LSE", "all_gather", "all", layers, H * _LSE_BYTES, C))
+            out.append(_make("partial output", "reduce_scatter", "all", layers, H * r * a, C))
+    if indexer == "split" and indexer_layers and index_topk is not None:
+        out.append(_make("index candidates", "all_gather", "indexer", indexer_layers,
+                         index_topk * _CANDIDATE_BYTES, C))
+    if hidden_size is not None:
+        out.append(_make("o_proj hidden", "all_reduce", "all", layers, hidden_size * a, C))
+        out.append(_make("MLP hidden", "all_reduce", "all", layers, hidden_size * a, C))
+    return tuple(out)
+
+
+_SENT_PER_BYTE_IN = {
+    "all_gather": lambda C: C - 1,
+    "all_to_all": lambda C: (C - 1) / C,
+    "reduce_scatter": lambda C: (C - 1) / C,
+    "all_reduce": lambda C: 2 * (C - 1) / C,
+}
+
+
+def _make(name: str, op: str, layers: str, num_layers: int, bytes_in: float, C: int) -> Collective:
+    return Collective(name, op, layers, num_layers, float(bytes_in),
+                      float(bytes_in * _SENT_PER_BYTE_IN[op](C)))
+
+
+# --- `cpserve plan` ---------------------------------------------------------------------------
+
+_RAW_FLAGS = ("entry_bytes", "layers", "index_bytes", "indexer_layers")
+_SHAPE_FLAGS = ("num_heads", "kv_lora_rank", "rope_dim", "hidden_size", "index_topk")
+
+
+def build_parser_plan(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand; its handler is ``args.func`` (``run_plan``)."""
+    parser = subparsers.add_parser(
+        "plan", help="decode cache bytes and communication per DCP rank",
+        description="Either --model DIR|tiny, or the raw sizes --entry-bytes --layers "
+        "[--index-bytes --indexer-layers] (bytes per token per layer).",
+    )
+    parser.add_argument("--model", help="checkpoint directory, or 'tiny'")
+    parser.add_argument("--entry-bytes", type=_non_negative_int, help="latent bytes per layer")
+    parser.add_argument("--layers", type=_non_negative_int, help="layers with a latent cache")
+    parser.add_argument("--index-bytes", type=_non_negative_int, help="index key bytes per layer")
+    parser.add_argument("--indexer-layers", type=_non_negative_int, help="layers with index keys")
+    for flag in _SHAPE_FLAGS:
+        parser.add_argument("--" + flag.replace("_", "-"), type=_non_negative_int,
+                            help="raw mode only: model size for the collectives")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, help="with --model (default bf16)")
+    parser.add_argument("--act-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="activation dtype of the collectives (default fp32)")
+    parser.add_argument("--dcp", required=True, type=_positive_int, help="DCP group size C")
+    parser.add_argument("--indexer", required=True, choices=("copied", "split"))
+    parser.add_argument("--exchange", choices=("a2a", "ag_rs"), default="a2a")
+    parser.add_argument("--replicate-q-proj", action="store_true")
+    parser.add_argument("--tokens", type=_non_negative_int, help="cached tokens to size for")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run_plan, plan_parser=parser)
+    return parser
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan described by ``args``; returns the exit status (0)."""
+    sizes = _model_sizes(args) if args.model is not None else _raw_sizes(args)
+    plan = plan_capacity(
+        **sizes, dcp=args.dcp, indexer=args.indexer, tokens=args.tokens,
+        act_bytes=bytes_per_value(args.act_dtype), exchange=args.exchange,
+        replicate_q_proj=args.replicate_q_proj,
+    )
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        _print_plan(plan)
+    return 0
+
+
+def _raw_sizes(args: argparse.Namespace) -> dict:
+    if args.kv_dtype is not None:
+        _fail(args, "--kv-dtype applies only with --model (--entry-bytes is already in bytes)")
+    missing = [f for f in ("entry_bytes", "layers") if getattr(args, f) is None]
+    if missing:
+        _fail(args, "give --model DIR|tiny, or the raw sizes; missing "
+              + ", ".join(_flag(f) for f in missing))
+    if (args.index_bytes is None) != (args.indexer_layers is None):
+        _fail(args, "--index-bytes and --indexer-layers go together (omit both for no index)")
+    return dict(
+        entry_bytes_per_layer=args.entry_bytes, layers=args.layers,
+        index_bytes_per_layer=args.index_bytes or 0, indexer_layers=args.indexer_layers or 0,
+        num_heads=args.num_heads, kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim,
+        hidden_size=args.hidden_size, index_topk=args.index_topk,
+    )
+
+
+def _model_sizes(args: argparse.Namespace) -> dict:
+    given = [_flag(f) for f in _RAW_FLAGS + _SHAPE_FLAGS if getattr(args, f) is not None]
+    if given:
+        _fail(args, f"--model and {', '.join(given)} contradict: sizes come from the model")
+    from engine.model.config import ModelConfig
+
+    try:
+        cfg = ModelConfig.load(args.model)
+    except (OSError, ValueError) as error:
+        _fail(args, f"--model {args.model}: {error}")
+    dtype = args.kv_dtype or "bf16"
+    has_index = cfg.num_indexer_layers > 0
+    return dict(
+        entry_bytes_per_layer=cfg.latent_dim * bytes_per_value(dtype), layers=cfg.num_layers,
+        index_bytes_per_layer=index_key_bytes(cfg.index_head_dim, dtype) if has_index else 0,
+        indexer_layers=cfg.num_indexer_layers, num_heads=cfg.num_heads,
+        kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim,
+        hidden_size=cfg.hidden_size, index_topk=cfg.index_topk if has_index else None,
+    )
+
+
+def _print_plan(plan: CapacityPlan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    memory = Table(title=f"decode cache per rank, DCP={plan.dcp}, {plan.indexer} index")
+    memory.add_column("quantity")
+    memory.add_column("value", justify="right")
+    memory.add_row("latent E (bytes/token, all layers)", f"{plan.entry_bytes:,}")
+    memory.add_row("index I (bytes/token, indexer layers)", f"{plan.index_bytes:,}")
+    memory.add_row("bytes/token on one rank", f"{plan.bytes_per_token_per_rank_rounded:,}")
+    memory.add_row("capacity factor vs DCP=1", f"{plan.capacity_factor:.2f}")
+    memory.add_row("ceiling (C → ∞)", "none" if plan.ceiling is None else f"{plan.ceiling:.1f}")
+    if plan.tokens is not None:
+        memory.add_row(f"busiest rank, {plan.tokens:,} tokens", _human(plan.bytes_per_rank))
+    console = Console()
+    console.print(memory)
+    if not plan.collectives:
+        return
+    comm = Table(title="collectives per decode step: bytes per rank, layer and decoded token")
+    for column in ("collective", "op", "layers", "bytes in", "bytes sent"):
+        comm.add_column(column, justify="left" if column in ("collective", "op") else "right")
+    for c in plan.collectives:
+        layers = f"{c.layers} ({c.num_layers})"
+        comm.add_row(c.name, c.op, layers, f"{c.bytes_in:,.0f}", f"{c.bytes_sent:,.0f}")
+    comm.caption = f"sent per rank per token per step: {_human(plan.bytes_sent_per_token_per_step)}"
+    console.print(comm)
+
+
+def _human(num_bytes: float) -> str:
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:,.1f} GiB"
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _fail(args: argparse.Namespace, message: str) -> None:
+    parser = getattr(args, "plan_parser", None)
+    if parser is None:
+        raise SystemExit(f"cpserve plan: error: {message}")
+    parser.error(message)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

@@ -1,0 +1,199 @@
+"""The model and the reference engine against Hugging Face transformers (the ground truth)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.model.config import ModelConfigError
+from engine.model.loader import CheckpointError, load_model
+from engine.model.sampler import InvalidRequest, SamplingParams
+from engine.reference import ReferenceEngine
+from tests.hf_models import build_hf
+
+TYPES = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa"]
+TOPK = 16  # index_topk of the HF test models
+GREEDY = SamplingParams(max_new_tokens=1, stop_token_ids=())
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def prompts(lengths, seed=0, vocab=300):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def hf_ckpt(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param) / "ckpt"
+    model = build_hf(request.param, path)
+    return request.param, path, model
+
+
+@pytest.fixture(scope="module")
+def engine(hf_ckpt):
+    return ReferenceEngine(str(hf_ckpt[1]), record_logits=True)
+
+
+def test_batch_logits_match_transformers(hf_ckpt, engine):
+    _, _, hf = hf_ckpt
+    lengths = [1, 2, 7, TOPK - 1, TOPK, TOPK + 1, 2 * TOPK + 3, 4 * TOPK, 4 * TOPK + 9]
+    ps = prompts(lengths)
+    seqs = engine.generate(ps, GREEDY)
+    for p, seq in zip(ps, seqs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1]
+        assert rel_err(seq.logits[0], ref) < 1e-4, len(p)
+
+
+@pytest.mark.parametrize("length", [TOPK // 2, 3 * TOPK])
+def test_greedy_generation_matches_transformers(hf_ckpt, engine, length):
+    _, _, hf = hf_ckpt
+    (p,) = prompts([length], seed=length)
+    out = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2,
+                      output_logits=True, return_dict_in_generate=True)
+    expected = out.sequences[0, length:].tolist()
+    seq = engine.generate([p], SamplingParams(max_new_tokens=32, stop_token_ids=()))[0]
+    assert seq.output_ids == expected
+    for step, (ours, theirs) in enumerate(zip(seq.logits, out.logits)):
+        assert rel_err(ours, theirs[0]) < 1e-4, step
+
+
+@pytest.mark.parametrize("chunk", [1, 5, TOPK, 33])
+def test_chunked_prefill_gives_the_unchunked_tokens(hf_ckpt, engine, chunk):
+    (p,) = prompts([70], seed=3)
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=())
+    whole = engine.generate([p], params)[0]
+    chunked = ReferenceEngine(str(hf_ckpt[1]), chunk_size=chunk, record_logits=True).generate([p], params)[0]
+    assert chunked.output_ids == whole.output_ids
+    assert rel_err(chunked.logits[0], whole.logits[0]) < 1e-5
+
+
+def test_mixed_batch_gives_single_request_tokens(hf_ckpt, engine):
+    ps = prompts([3, 50, 17, 1, 90], seed=4)
+    params = SamplingParams(max_new_tokens=10, stop_token_ids=())
+    together = engine.generate(ps, params)
+    alone = [engine.generate([p], params)[0] for p in ps]
+    assert [s.output_ids for s in together] == [s.output_ids for s in alone]
+    # requests joining mid-decode
+    eng = ReferenceEngine(str(hf_ckpt[1]), chunk_size=20)
+    first = eng.add_request(ps[1], params)
+    for _ in range(4):
+        eng.step()
+    late = eng.add_request(ps[4], params)
+    while eng.has_work:
+        eng.step()
+    assert first.output_ids == alone[1].output_ids and late.output_ids == alone[4].output_ids
+    assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+@pytest.mark.parametrize("variant", [
+    dict(q_lora_rank=None, rope_interleave=False,
+         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 512}),
+    dict(tie_word_embeddings=True),
+])
+def test_deepseek_v3_variants(tmp_path, variant):
+    hf = build_hf("deepseek_v3", tmp_path / "v", **variant)
+    eng = ReferenceEngine(str(tmp_path / "v"), record_logits=True)
+    (p,) = prompts([40], seed=5)
+    seq = eng.generate([p], GREEDY)[0]
+    with torch.no_grad():
+        assert rel_err(seq.logits[0], hf(torch.tensor([p])).logits[0, -1]) < 1e-4
+
+
+def test_sharded_checkpoint_and_bf16(tmp_path):
+    hf = build_hf("glm_moe_dsa", tmp_path / "a")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    (p,) = prompts([30], seed=6)
+    a = ReferenceEngine(str(tmp_path / "a"), record_logits=True).generate([p], GREEDY)[0]
+    b = ReferenceEngine(str(tmp_path / "sharded"), record_logits=True).generate([p], GREEDY)[0]
+    assert torch.equal(a.logits[0], b.logits[0])
+    c = ReferenceEngine(str(tmp_path / "a"), dtype="bf16", record_logits=True).generate([p], GREEDY)[0]
+    assert rel_err(c.logits[0], a.logits[0]) < 0.1
+
+
+# ---- bad input ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bad") / "glm"
+    build_hf("glm_moe_dsa", path)
+    return path
+
+
+def test_unknown_model_type(glm_dir, tmp_path):
+    shutil.copytree(glm_dir, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match="model_type 'llama' is not supported"):
+        load_model(tmp_path / "m")
+
+
+@pytest.mark.parametrize("edit,pattern", [
+    ("drop", r"missing tensor model\.layers\.1\.self_attn\.kv_b_proj\.weight"),
+    ("reshape", r"model\.layers\.1\.self_attn\.kv_b_proj\.weight has shape"),
+    ("extra", r"unexpected tensor model\.layers\.0\.self_attn\.bogus\.weight"),
+    ("drop_expert", r"missing tensor model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"),
+])
+def test_bad_tensors_are_named(glm_dir, tmp_path, edit, pattern):
+    shutil.copytree(glm_dir, tmp_path / "m")
+    f = tmp_path / "m" / "model.safetensors"
+    t = load_file(str(f))
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    if edit == "drop":
+        del t[name]
+    elif edit == "reshape":
+        t[name] = t[name][:-1].contiguous()
+    elif edit == "extra":
+        t["model.layers.0.self_attn.bogus.weight"] = torch.zeros(2)
+    else:
+        del t["model.layers.2.mlp.experts.3.up_proj.weight"]
+    save_file(t, str(f))
+    with pytest.raises(CheckpointError, match=pattern):
+        load_model(tmp_path / "m")
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ([], SamplingParams(), "prompt"),
+    ([5, 300], SamplingParams(), "prompt"),
+    ([5, -1], SamplingParams(), "prompt"),
+    ([5], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    ([5] * 4000, SamplingParams(max_new_tokens=200), "max_new_tokens"),
+    ([5], SamplingParams(temperature=-1.0), "temperature"),
+    ([5], SamplingParams(top_p=0.0), "top_p"),
+])
+def test_bad_requests_name_the_field(glm_dir, prompt, params, field):
+    eng = ReferenceEngine(str(glm_dir))
+    with pytest.raises(InvalidRequest) as e:
+        eng.add_request(prompt, params)
+    assert e.value.field == field and field in str(e.value)
+    assert not eng.has_work and eng.allocator.num_free == eng.allocator.num_pages
+
+
+def test_seeded_sampling_is_reproducible(glm_dir):
+    eng = ReferenceEngine(str(glm_dir))
+    (p,) = prompts([20], seed=7)
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=42, stop_token_ids=())
+    a, b = eng.generate([p], sp)[0], eng.generate([p, p[:5]], sp)[0]
+    assert a.output_ids == b.output_ids
+    c = eng.generate([p], SamplingParams(max_new_tokens=12, temperature=1.0, seed=43, stop_token_ids=()))[0]
+    assert c.output_ids != a.output_ids
+    greedy = eng.generate([p], SamplingParams(max_new_tokens=12, stop_token_ids=()))[0]
+    top1 = eng.generate([p], SamplingParams(max_new_tokens=12, temperature=0.7, top_k=1, seed=1, stop_token_ids=()))[0]
+    assert top1.output_ids == greedy.output_ids
+
+
+def test_stop_token_ends_generation(glm_dir):
+    eng = ReferenceEngine(str(glm_dir))
+    (p,) = prompts([20], seed=8)
+    full = eng.generate([p], SamplingParams(max_new_tokens=10, stop_token_ids=()))[0].output_ids
+    stopped = eng.generate([p], SamplingParams(max_new_tokens=10, stop_token_ids=(full[3],)))[0]
+    assert stopped.output_ids == full[: full.index(full[3]) + 1] and stopped.finish_reason == "stop"
