@@ -50,3 +50,4 @@ class ForwardBatch:
     logit_index: torch.Tensor  # own-token indices whose logits the caller wants
     is_decode: bool = False
     all_reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity)
+    trace: dict | None = None  # when set, attention records its DSA selections here (tests)

@@ -275,6 +275,8 @@ class Attention(nn.Module):
                 q = torch.cat([q_nope[qi], q_rope[qi]], dim=-1)
                 out[qi] = extend_attention(q, k, v, mask, self.scale)[0]
             sels.append(req_sel)
+        if batch.trace is not None and mode != "dense":
+            batch.trace[self.layer] = [(req.q_pos, torch.cat(s)) for req, s in zip(batch.requests, sels)]
         return out, (sels if mode != "dense" else None)
 
     def _decode(self, batch, q_nope, q_rope, iq, iw, prev_sel):
@@ -288,6 +290,8 @@ class Attention(nn.Module):
             sel = prev_sel
         else:
             sel = None
+        if batch.trace is not None and sel is not None:
+            batch.trace[self.layer] = sel
         out_lat = batch.kv.decode_attention(self.layer, q_lat, q_rope, sel, self.scale)
         return torch.einsum("bhr,hvr->bhv", out_lat, w_uv), sel
 

@@ -1,0 +1,500 @@
+"""Worker group: C rank processes in one ``torch.distributed`` group, driven by one driver.
+
+Every parallel service (prefill CP, decode DCP) runs its model on a ``WorkerGroup``. The
+*driver* (the process that hosts the gRPC server; in tests, pytest) is not a member of the
+process group. It spawns C rank processes, hosts their rendezvous store, and sends them
+commands over one ``multiprocessing`` pipe per rank::
+
+    driver ──pipe──▶ rank 0 ┐
+           ──pipe──▶ rank 1 ├─ one process group (gloo on CPU; NCCL + a gloo control group on GPU)
+           ──pipe──▶ ...    ┘
+
+Synchronisation rule (everything collective relies on it):
+    every rank receives the same sequence of ``call``\\ s, in the same order, and runs each to
+    completion before it reads the next. The collectives inside a method therefore match
+    across ranks, as long as the method itself issues the same collectives on every rank.
+    ``call`` is serialised by a lock, so concurrent driver threads cannot interleave two
+    sequences. ``call_rank`` reaches one rank only, so its methods must not use collectives.
+
+Failure rule: any rank that dies or raises fails the whole group. SPMD state cannot be repaired
+(its peers may be blocked in a collective that will never complete), so the driver terminates
+and then kills every rank — it never waits for them — marks the group dead and raises
+``GroupError`` naming the failing rank. Every later call raises ``GroupError`` at once. Ranks
+exit by themselves when the driver dies (``PR_SET_PDEATHSIG`` plus a parent-pid watchdog).
+
+Rendezvous: the driver binds a listening socket to 127.0.0.1 itself and hands its fd to a
+master ``TCPStore`` (torch's store would otherwise listen on every interface); ranks connect to
+it as clients. ``GLOO_SOCKET_IFNAME=lo`` (unless already set) keeps gloo's own sockets on
+loopback too.
+
+The three questions, for the group itself:
+    store — each rank holds its worker object (model shard, caches) and nothing else; the
+        driver holds one pipe end and the process handle per rank, and the TCPStore.
+    cross — per ``call``: the pickled (method, args, kwargs) to each of the C ranks, and one
+        pickled result back from each; nothing model-sized should travel this way (tensors
+        between ranks go through the process group, KV bytes through the transfer engine).
+    cost — one pipe round trip per rank per call (tens of µs for a small step plan) plus
+        pickling; a call waits for the slowest rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import importlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
+from multiprocessing.reduction import ForkingPickler
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_LOOPBACK = "127.0.0.1"
+_POLL_S = 0.2  # wait granularity: how late a deadline or a concurrent shutdown is noticed
+_DEATH_GRACE_S = 0.25  # after an exception report, how long to look for a dead rank to blame
+_KILL_GRACE_S = 1.0  # SIGTERM → SIGKILL
+
+
+class GroupError(RuntimeError):
+    """The worker group failed (or was shut down); it is dead and every later call raises.
+
+    ``rank`` is the failing rank, or ``None`` when no single rank is to blame (shut down,
+    start-up timeout). The message names the rank and what happened, e.g.
+    "rank 1 exited with signal SIGKILL" or "rank 2 raised ValueError: ..." plus its traceback.
+    """
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.reason = message
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a worker learns about its place in the group; passed as the first constructor argument.
+
+    ``group`` is the default process group (NCCL on GPU, gloo on CPU); ``cpu_group`` is a gloo
+    group for control messages and CPU tensors (the same group as ``group`` on CPU).
+    """
+
+    rank: int
+    world_size: int
+    device: Any  # torch.device
+    group: Any  # torch.distributed.ProcessGroup
+    cpu_group: Any
+
+
+# ---------------------------------------------------------------- rank side
+
+
+def _set_parent_death_signal(driver_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the thread that spawned it exits."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        return
+    if os.getppid() != driver_pid:  # the driver died before prctl took effect
+        os._exit(1)
+
+
+def _watch_driver(driver_pid: int) -> None:
+    """Exit when the driver is gone, even while the main thread is blocked in a collective."""
+    while True:
+        if os.getppid() != driver_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def _resolve(worker_cls: type | str) -> type:
+    if not isinstance(worker_cls, str):
+        return worker_cls
+    module_name, sep, qualname = worker_cls.partition(":")
+    if not sep:
+        module_name, _, qualname = worker_cls.rpartition(".")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _error_message(exc: BaseException) -> tuple[str, str, str]:
+    return (type(exc).__name__, str(exc), traceback.format_exc())
+
+
+def _init_distributed(rank: int, world_size: int, port: int, device: str, store_timeout_s: float,
+                      collective_timeout_s: float) -> RankContext:
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore(_LOOPBACK, port, is_master=False,
+                          timeout=datetime.timedelta(seconds=store_timeout_s))
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    if device == "cuda":
+        num_devices = torch.cuda.device_count()
+        if num_devices == 0:
+            raise RuntimeError("device='cuda' but torch sees no CUDA device")
+        torch_device = torch.device("cuda", rank % num_devices)
+        torch.cuda.set_device(torch_device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=torch_device)
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    else:
+        torch_device = torch.device("cpu")
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        cpu_group = dist.group.WORLD
+    return RankContext(rank, world_size, torch_device, dist.group.WORLD, cpu_group)
+
+
+def _rank_main(rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection,
+               worker_cls: type | str, worker_args: tuple, worker_kwargs: dict, device: str,
+               threads_per_rank: int, store_timeout_s: float, collective_timeout_s: float,
+               driver_pid: int, use_pdeathsig: bool) -> None:
+    """Entry point of one rank process. Messages: ("call", method, args, kwargs) | ("exit",)."""
+    if use_pdeathsig:
+        _set_parent_death_signal(driver_pid)
+    threading.Thread(target=_watch_driver, args=(driver_pid,), daemon=True,
+                     name="driver-watchdog").start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        import torch
+
+        torch.set_num_threads(threads_per_rank)
+        ctx = _init_distributed(rank, world_size, port, device, store_timeout_s,
+                                collective_timeout_s)
+        worker = _resolve(worker_cls)(ctx, *worker_args, **worker_kwargs)
+    except BaseException as exc:  # noqa: BLE001 — every failure must reach the driver
+        conn.send(("error", *_error_message(exc)))
+        return
+    conn.send(("ready", {"pid": os.getpid(), "device": str(ctx.device)}))
+
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the driver closed the pipe (or died)
+            break
+        except BaseException as exc:  # noqa: BLE001 — e.g. an argument that cannot be unpickled
+            conn.send(("error", *_error_message(exc)))
+            continue
+        if message[0] == "exit":
+            break
+        _, method, args, kwargs = message
+        try:
+            result = getattr(worker, method)(*args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException as exc:  # noqa: BLE001
+            conn.send(("error", *_error_message(exc)))
+
+    close = getattr(worker, "close", None)
+    if callable(close):
+        close()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- driver side
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "is gone"
+    if exitcode < 0:
+        try:
+            return f"exited with signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"exited with signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+class _Ranks:
+    """The driver's handles on the rank processes. Owned by a WorkerGroup, but kept separate so
+    that the exit/GC finaliser can stop the processes without keeping the group alive."""
+
+    def __init__(self) -> None:
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self.conns: list[multiprocessing.connection.Connection] = []
+        self.store: Any = None
+        self._stop_lock = threading.RLock()  # a failing call and shutdown() may race
+
+    def stop(self, timeout_s: float = 0.0) -> None:
+        """Ask every rank to exit, wait up to ``timeout_s``, then SIGTERM, then SIGKILL."""
+        with self._stop_lock:
+            self._stop(timeout_s)
+
+    def _stop(self, timeout_s: float) -> None:
+        for conn, process in zip(self.conns, self.processes):
+            if process.exitcode is None and timeout_s > 0:
+                try:
+                    conn.send(("exit",))
+                except (OSError, ValueError):
+                    pass
+        self._join_all(timeout_s)
+        for process in self.processes:
+            if process.exitcode is None:
+                process.terminate()
+        self._join_all(_KILL_GRACE_S)
+        for process in self.processes:
+            if process.exitcode is None:
+                process.kill()
+        self._join_all(_KILL_GRACE_S)
+        for conn in self.conns:
+            conn.close()
+        self.store = None  # the master store's server stops with it
+
+    def _join_all(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+
+
+class WorkerGroup:
+    """C rank processes running ``worker_cls(ctx, *worker_args, **worker_kwargs)`` in SPMD.
+
+    The constructor starts the processes and returns; ``ready()`` (called by ``call``,
+    ``call_rank`` and ``__enter__``) waits until every rank has built its worker. ``worker_cls``
+    is a class importable by its module path (spawned children re-import it) or a
+    ``"package.module:Class"`` string. A worker may define ``close()``; it runs on clean shutdown.
+    """
+
+    def __init__(self, world_size: int, worker_cls: type | str, worker_args: tuple = (),
+                 worker_kwargs: dict | None = None, *, device: str = "cpu",
+                 threads_per_rank: int = 1, start_timeout_s: float = 60,
+                 collective_timeout_s: float = 300, name: str = "group"):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank!r}")
+        self.world_size = world_size
+        self.name = name
+        self.device = device
+        self._start_timeout_s = start_timeout_s
+        self._lock = threading.RLock()
+        self._ready = False
+        self._failure: GroupError | None = None
+        self._closed = False
+        self._ranks = _Ranks()
+        # Runs on garbage collection and at interpreter exit, before multiprocessing joins
+        # its children (exitpriority >= 0 finalisers run first), so no rank outlives the driver.
+        self._finalizer = multiprocessing.util.Finalize(self, self._ranks.stop, exitpriority=100)
+        try:
+            self._start(worker_cls, worker_args, dict(worker_kwargs or {}), threads_per_rank,
+                        collective_timeout_s)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _start(self, worker_cls: type | str, worker_args: tuple, worker_kwargs: dict,
+               threads_per_rank: int, collective_timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((_LOOPBACK, 0))
+            sock.listen(128)
+            self.store_port: int = sock.getsockname()[1]
+            self._ranks.store = dist.TCPStore(
+                _LOOPBACK, self.store_port, None, True,
+                datetime.timedelta(seconds=self._start_timeout_s),
+                wait_for_workers=False, master_listen_fd=sock.detach())
+        finally:
+            sock.close()
+        # PR_SET_PDEATHSIG fires when the spawning *thread* exits; only the main thread is
+        # guaranteed to live as long as the driver, so elsewhere rely on the watchdog alone.
+        use_pdeathsig = threading.current_thread() is threading.main_thread()
+        mp = multiprocessing.get_context("spawn")
+        for rank in range(self.world_size):
+            driver_conn, rank_conn = mp.Pipe(duplex=True)
+            process = mp.Process(
+                target=_rank_main, name=f"{self.name}-rank{rank}", daemon=False,
+                args=(rank, self.world_size, self.store_port, rank_conn, worker_cls, worker_args,
+                      worker_kwargs, self.device, threads_per_rank, self._start_timeout_s,
+                      collective_timeout_s, os.getpid(), use_pdeathsig))
+            process.start()
+            rank_conn.close()
+            self._ranks.processes.append(process)
+            self._ranks.conns.append(driver_conn)
+
+    # ------------------------------------------------------------ public API
+
+    @property
+    def alive(self) -> bool:
+        """True until the group fails or is shut down (and while every rank process runs)."""
+        return (not self._closed and self._failure is None
+                and all(p.exitcode is None for p in self._ranks.processes))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._ranks.processes]
+
+    def ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every rank has constructed its worker; GroupError if any failed."""
+        with self._lock:
+            self._check_usable()
+            if self._ready:
+                return
+            timeout_s = self._start_timeout_s if timeout_s is None else timeout_s
+            infos = self._collect(range(self.world_size), deadline=time.monotonic() + timeout_s,
+                                  what="start-up", expected="ready")
+            self._ready = True
+        layout = ", ".join(f"rank {r}: pid {info['pid']} on {info['device']}"
+                           for r, info in enumerate(infos))
+        logger.info("worker group %r ready: world_size=%d backend=%s store=%s:%d; %s", self.name,
+                    self.world_size, "nccl+gloo" if self.device == "cuda" else "gloo",
+                    _LOOPBACK, self.store_port, layout)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """Run ``method(*args, **kwargs)`` on every rank (SPMD); return the results in rank order.
+
+        Arguments are pickled once, before anything is sent: an argument that cannot be
+        pickled raises here and leaves the group healthy.
+        """
+        with self._lock:
+            self.ready()
+            return self._run(range(self.world_size), method, args, kwargs, f"call {method!r}")
+
+    def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` on one rank only; the method must not use collectives."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        with self._lock:
+            self.ready()
+            return self._run([rank], method, args, kwargs, f"call_rank({rank}, {method!r})")[0]
+
+    def shutdown(self, timeout_s: float = 10) -> None:
+        """Ask the ranks to exit, wait up to ``timeout_s``, then terminate/kill. Idempotent.
+
+        A call in flight in another thread is not waited for: its ranks are killed and it
+        raises GroupError.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.cancel()
+        graceful = self._failure is None and self._lock.acquire(timeout=2 * _POLL_S)
+        try:
+            self._ranks.stop(timeout_s if graceful else 0.0)
+        finally:
+            if graceful:
+                self._lock.release()
+        logger.info("worker group %r shut down", self.name)
+
+    def __enter__(self) -> WorkerGroup:
+        self.ready()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------ internals
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise GroupError(f"worker group {self.name!r} is dead: {self._failure.reason}",
+                             self._failure.rank)
+        if self._closed:
+            raise GroupError(f"worker group {self.name!r} was shut down")
+
+    def _run(self, ranks: Any, method: str, args: tuple, kwargs: dict, what: str) -> list:
+        message = ForkingPickler.dumps(("call", method, args, kwargs))
+        try:
+            for rank in ranks:
+                self._send(rank, message)
+            return self._collect(ranks, deadline=None, what=what)
+        except GroupError:
+            raise
+        except BaseException as exc:
+            # e.g. KeyboardInterrupt mid-call: answers still on their way would be taken for
+            # the next call's, so the group cannot be used again.
+            self._abort(None, f"{what} interrupted by {type(exc).__name__}")
+            raise
+
+    def _send(self, rank: int, message: bytes) -> None:
+        try:
+            self._ranks.conns[rank].send_bytes(message)
+        except (OSError, ValueError) as exc:
+            process = self._ranks.processes[rank]
+            process.join(_KILL_GRACE_S)
+            if process.exitcode is not None:
+                self._fail(rank, f"rank {rank} {_describe_exit(process.exitcode)}")
+            self._fail(rank, f"sending to rank {rank} failed: {exc!r}")
+
+    def _collect(self, ranks: Any, deadline: float | None, what: str,
+                 expected: str = "ok") -> list:
+        """Wait for one message from each of ``ranks`` while watching every rank process."""
+        pending = list(ranks)
+        results: dict[int, Any] = {}
+        processes, conns = self._ranks.processes, self._ranks.conns
+        sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
+        while pending:
+            if deadline is not None and time.monotonic() > deadline:
+                self._fail(None, f"{what} timed out; ranks {pending} did not answer")
+            try:
+                if self._closed:
+                    raise ValueError("closed")
+                waitables = [conns[r] for r in pending] + list(sentinels)
+                ready = multiprocessing.connection.wait(waitables, timeout=_POLL_S)
+            except (OSError, ValueError):  # shutdown() closed the pipes under us
+                self._fail(None, f"worker group {self.name!r} was shut down during {what}")
+            for rank in list(pending):  # messages first: a rank that reports then exits
+                if conns[rank] in ready or conns[rank].poll():
+                    try:
+                        kind, *payload = conns[rank].recv()
+                    except (EOFError, OSError):
+                        continue  # the sentinel reports the death below
+                    if kind == "error":
+                        self._fail_after_exception(rank, *payload)
+                    if kind != expected:
+                        self._fail(rank, f"rank {rank} sent {kind!r} during {what}")
+                    results[rank] = payload[0]
+                    pending.remove(rank)
+            for sentinel, rank in sentinels.items():
+                if sentinel in ready:
+                    processes[rank].join(_KILL_GRACE_S)
+                    self._fail(rank, f"rank {rank} {_describe_exit(processes[rank].exitcode)} "
+                                     f"during {what}")
+        return [results[r] for r in ranks]
+
+    def _fail_after_exception(self, rank: int, exc_type: str, text: str, tb: str) -> None:
+        """Blame a dead rank over one that merely saw its peer vanish (e.g. gloo's
+        'Connection closed by peer' on the survivors of a SIGKILL)."""
+        sentinels = [p.sentinel for p in self._ranks.processes]
+        if multiprocessing.connection.wait(sentinels, timeout=_DEATH_GRACE_S):
+            for dead, process in enumerate(self._ranks.processes):
+                process.join(0.05)
+                if process.exitcode is not None:
+                    self._fail(dead, f"rank {dead} {_describe_exit(process.exitcode)} "
+                                     f"(rank {rank} then raised {exc_type}: {text})")
+        self._fail(rank, f"rank {rank} raised {exc_type}: {text}\n{tb}")
+
+    def _fail(self, rank: int | None, message: str) -> None:
+        """Kill every rank, mark the group dead, raise GroupError. Never returns."""
+        raise self._abort(rank, message)
+
+    def _abort(self, rank: int | None, message: str) -> GroupError:
+        """Kill every rank and mark the group dead; return the error that says why."""
+        error = GroupError(f"worker group {self.name!r}: {message}", rank)
+        if self._failure is None and not self._closed:
+            self._failure = error
+            logger.error("%s; stopping all %d ranks", error, self.world_size)
+        self._finalizer.cancel()
+        self._ranks.stop(0.0)
+        return error

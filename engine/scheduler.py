@@ -1,0 +1,230 @@
+"""The scheduler: one request object per request, admission by free cache pages, and step
+plans (prefill chunks first, else one decode step for every running request).
+
+It only asks the allocator (``can_allocate``) and orders (``allocate``/``free``); where a
+slot lives is the runner's business. Cache pages for prompt + max_new_tokens are reserved at
+admission, so a running request never runs out of cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.cache.slots import PageAllocator, pages_needed, token_slots
+from engine.model.config import ModelConfig
+from engine.model.sampler import InvalidRequest, SamplingParams, sample
+from engine.plan import ChunkItem, DecodeItem, StepPlan
+
+
+@dataclass
+class Sequence:
+    """One request as it flows through an engine."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose cache entries are written
+    pages: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.token_times[0] - self.arrival) * 1e3 if self.token_times else float("nan")
+
+    @property
+    def tpot_ms(self) -> float:
+        t = self.token_times
+        return (t[-1] - t[0]) * 1e3 / (len(t) - 1) if len(t) > 1 else float("nan")
+
+
+def validate_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int) -> None:
+    """Checks shared by every engine and service front; raises InvalidRequest naming the field."""
+    if not prompt_ids:
+        raise InvalidRequest("prompt", "must not be empty")
+    bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest("prompt", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    params.validate()
+    if len(prompt_ids) + params.max_new_tokens > max_positions:
+        raise InvalidRequest(
+            "max_new_tokens",
+            f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
+            f"model's {max_positions} positions",
+        )
+
+
+class Scheduler:
+    """Requests in, step plans out; sampling and stop rules applied to each step's logits.
+
+    ``group_size`` is the DCP degree C of the slot numbering (1 for one process and for a
+    prefill CP group, whose ranks each hold every row); a page then spans page_size·C slots.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, chunk_size: int, group_size: int = 1,
+                 record_logits: bool = False):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
+        self.cfg, self.page_size, self.chunk_size, self.group_size = cfg, page_size, chunk_size, group_size
+        self.record_logits = record_logits
+        self.allocator = PageAllocator(num_pages)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.by_id: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.num_pages * self.page_size * self.group_size
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return pages_needed(num_tokens, self.page_size, self.group_size)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        validate_prompt(prompt_ids, params, self.cfg.vocab_size, self.cfg.max_position_embeddings)
+        total = len(prompt_ids) + params.max_new_tokens
+        if self._pages_for(total) > self.allocator.num_pages:
+            raise InvalidRequest("prompt", f"prompt plus max_new_tokens is {total} tokens; the cache holds "
+                                           f"{self.capacity_tokens}")
+        stop = self.cfg.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
+        seq = Sequence(next(self._ids), list(prompt_ids), params, seed, frozenset(stop))
+        self.waiting.append(seq)
+        self.by_id[seq.id] = seq
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if not seq.is_finished:
+            self.finish(seq, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while self.waiting:
+            seq = self.waiting[0]
+            need = self._pages_for(len(seq.prompt_ids) + seq.params.max_new_tokens)
+            if not self.allocator.can_allocate(need):
+                break
+            seq.pages = self.allocator.allocate(need)
+            self.running.append(self.waiting.pop(0))
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        if seq.pages:
+            self.allocator.free(seq.pages)
+            seq.pages = []
+        if seq in self.running:
+            self.running.remove(seq)
+        self.by_id.pop(seq.id, None)
+
+    def slots(self, seq: Sequence, n: int) -> torch.Tensor:
+        return token_slots(seq.pages, n, self.page_size, self.group_size)
+
+    # ---- plans ---------------------------------------------------------------------------
+    def next_plan(self) -> StepPlan | None:
+        self._admit()
+        prefill = [s for s in self.running if s.is_prefilling]
+        if prefill:
+            return self._extend_plan(prefill)
+        if self.running:
+            return self._decode_plan(list(self.running))
+        return None
+
+    def _extend_plan(self, seqs: list[Sequence]) -> StepPlan:
+        budget, items = self.chunk_size, []
+        for seq in seqs:
+            if budget == 0:
+                break
+            n = min(len(seq.prompt_ids) - seq.num_computed, budget)
+            budget -= n
+            start = seq.num_computed
+            items.append(ChunkItem(seq.id, seq.prompt_ids[start : start + n], start, self.slots(seq, start + n),
+                                   start + n == len(seq.prompt_ids)))
+            seq.num_computed = start + n
+        return StepPlan("extend", items)
+
+    def _decode_plan(self, seqs: list[Sequence]) -> StepPlan:
+        items = []
+        for seq in seqs:
+            p = len(seq.all_ids) - 1
+            items.append(DecodeItem(seq.id, seq.all_ids[-1], p, self.slots(seq, p + 1)))
+            seq.num_computed = p + 1
+        return StepPlan("decode", items)
+
+    def apply(self, logits: dict[int, torch.Tensor]) -> list[tuple[Sequence, int]]:
+        """Sample the next token of every request that got logits; finish those that stop."""
+        events = []
+        for req_id, row in logits.items():
+            seq = self.by_id[req_id]
+            if self.record_logits:
+                seq.logits.append(row.clone())
+            token = sample(row, seq.params, seq.seed, len(seq.output_ids))
+            seq.output_ids.append(token)
+            seq.token_times.append(time.perf_counter())
+            if token in seq.stop_ids:
+                self.finish(seq, "stop")
+            elif len(seq.output_ids) >= seq.params.max_new_tokens:
+                self.finish(seq, "length")
+            events.append((seq, token))
+        return events
+
+
+class Engine:
+    """A scheduler driving a runner (`runner.run(plan) -> {req_id: logits}`)."""
+
+    def __init__(self, scheduler: Scheduler, runner):
+        self.scheduler, self.runner = scheduler, runner
+
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.scheduler.allocator
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        return self.scheduler.add(prompt_ids, params)
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+
+    def step(self) -> list[tuple[Sequence, int]]:
+        plan = self.scheduler.next_plan()
+        if plan is None:
+            return []
+        return self.scheduler.apply(self.runner.run(plan))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Run requests to completion (all admitted together, batched)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_work:
+            self.step()
+        return seqs
