@@ -76,6 +76,34 @@ def cmd_reference(args, parser) -> int:
     return 0
 
 
+def cmd_prefill(args, parser) -> int:
+    from engine.model.sampler import SamplingParams
+    from engine.prefill_engine import CPPrefillEngine
+
+    t0 = time.perf_counter()
+    with CPPrefillEngine(args.model, cp=args.cp, strategy=args.strategy, layer_split=args.layer_split,
+                         dtype=args.dtype, chunk_size=args.chunk_size, threads_per_rank=args.threads_per_rank,
+                         max_cache_tokens=args.max_cache_tokens) as engine:
+        start_s = time.perf_counter() - t0
+        ids = prompt_ids_from_args(args, engine.tokenizer, parser)
+        seq = engine.generate([ids], SamplingParams(max_new_tokens=1, stop_token_ids=()))[0]
+        cache = engine.group.call("cache_bytes")
+        ranks = [{"rank": r, "seconds": round(engine.runner.rank_seconds[r], 4),
+                  "cache_bytes": c["persistent"] + c["scratch"], "layers": c["layers"]} for r, c in enumerate(cache)]
+    result = {"first_token": seq.output_ids[0], "ttft_ms": round(seq.ttft_ms, 3), "prompt_tokens": len(ids),
+              "cp": args.cp, "strategy": args.strategy, "layer_split": args.layer_split, "ranks": ranks}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"prefill of {len(ids)} tokens on CP={args.cp} ({args.strategy}{', layer split' if args.layer_split else ''}); "
+          f"group start {start_s:.1f} s")
+    print(f"first token: {seq.output_ids[0]} ({engine.tokenizer.decode(seq.output_ids)!r})   TTFT {seq.ttft_ms:.1f} ms")
+    for r in ranks:
+        print(f"  rank {r['rank']}: {r['seconds'] * 1e3:9.1f} ms forward   cache {r['cache_bytes'] / 2**20:8.2f} MiB"
+              f"   layers {r['layers'][0]}..{r['layers'][-1]}")
+    return 0
+
+
 def cmd_make_tiny(args, parser) -> int:
     from engine.model.tiny import make_tiny
 
@@ -95,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=4096, help="prefill chunk size in tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_reference, cmd_parser=p)
+
+    p = sub.add_parser("prefill", help="run one prompt through a real prefill context-parallel group")
+    add_model_args(p)
+    add_prompt_args(p)
+    p.add_argument("--cp", type=int, default=2, help="context-parallel ranks")
+    p.add_argument("--strategy", default="interleave", choices=["interleave", "zigzag"])
+    p.add_argument("--layer-split", action="store_true", help="each rank keeps only its range of layers")
+    p.add_argument("--chunk-size", type=int, default=4096)
+    p.add_argument("--threads-per-rank", type=int, default=1)
+    p.add_argument("--max-cache-tokens", type=int, default=1 << 16)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_prefill, cmd_parser=p)
 
     p = sub.add_parser("make-tiny", help="write a deterministic tiny Hugging Face-format checkpoint")
     p.add_argument("dir")

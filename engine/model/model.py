@@ -276,7 +276,9 @@ class Attention(nn.Module):
                 out[qi] = extend_attention(q, k, v, mask, self.scale)[0]
             sels.append(req_sel)
         if batch.trace is not None and mode != "dense":
-            batch.trace[self.layer] = [(req.q_pos, torch.cat(s)) for req, s in zip(batch.requests, sels)]
+            batch.trace[self.layer] = [
+                (req.q_pos, torch.cat(s) if s else torch.zeros(0, req.kv_len, dtype=torch.bool))
+                for req, s in zip(batch.requests, sels)]
         return out, (sels if mode != "dense" else None)
 
     def _decode(self, batch, q_nope, q_rope, iq, iw, prev_sel):

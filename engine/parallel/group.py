@@ -31,8 +31,9 @@ The three questions, for the group itself:
     store — each rank holds its worker object (model shard, caches) and nothing else; the
         driver holds one pipe end and the process handle per rank, and the TCPStore.
     cross — per ``call``: the pickled (method, args, kwargs) to each of the C ranks, and one
-        pickled result back from each; nothing model-sized should travel this way (tensors
-        between ranks go through the process group, KV bytes through the transfer engine).
+        pickled result back from each, tensors by value (plain pickle, no shared memory);
+        nothing model-sized should travel this way (tensors between ranks go through the
+        process group, KV bytes through the transfer engine).
     cost — one pipe round trip per rank per call (tens of µs for a small step plan) plus
         pickling; a call waits for the slowest rank.
 """
@@ -46,8 +47,8 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
-from multiprocessing.reduction import ForkingPickler
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -196,7 +197,7 @@ def _rank_main(rank: int, world_size: int, port: int, conn: multiprocessing.conn
         _, method, args, kwargs = message
         try:
             result = getattr(worker, method)(*args, **kwargs)
-            conn.send(("ok", result))
+            conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
         except BaseException as exc:  # noqa: BLE001
             conn.send(("error", *_error_message(exc)))
 
@@ -414,7 +415,9 @@ class WorkerGroup:
             raise GroupError(f"worker group {self.name!r} was shut down")
 
     def _run(self, ranks: Any, method: str, args: tuple, kwargs: dict, what: str) -> list:
-        message = ForkingPickler.dumps(("call", method, args, kwargs))
+        # Plain pickle (tensors by value): ForkingPickler would share tensor storage through
+        # one-shot file descriptors, which breaks when the same bytes go to several ranks.
+        message = pickle.dumps(("call", method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for rank in ranks:
                 self._send(rank, message)

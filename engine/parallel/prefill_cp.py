@@ -1,0 +1,206 @@
+"""Prefill context parallelism (CP): the rank worker and the driver-side runner.
+
+Each forward's new tokens are split across the C ranks by a layout (engine/parallel/layout.py:
+interleave or zigzag). Per attention layer, every rank:
+
+1. computes the cache entries (and, on indexer layers, index keys) of its own tokens;
+2. all-gathers them over the group (padded to the largest rank's share), restores batch order
+   and writes them into its cache — so every rank ends the layer with every new entry;
+3. runs the DSA indexer and attention for its own queries only, each reading its request's
+   full causal history (cached prefix included). Scoring is therefore done once in total.
+
+MLP / MoE run on each rank's own tokens; nothing else crosses between ranks.
+
+What one rank stores: without layer split, a full copy of the cache (every layer, every row);
+with ``layer_split``, only its contiguous range of layers (the first L mod C ranks take one
+extra) plus one scratch layer holding the layer in flight for the requests of the forward.
+What crosses per attention layer: an all-gather of T × (latent_dim + index_head_dim on
+indexer layers) values (T = the forward's new tokens); with layer split, also a broadcast of
+the batch's cached-prefix rows of that layer from its owner.
+Cost: the all-gather moves (C−1)/C of T × entry bytes into each rank; attention and indexer
+work per rank is that of its own queries (balanced by the layout).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.cache.pool import KVPool
+from engine.model.batch import ForwardBatch, RequestView
+from engine.model.loader import load_model, parse_dtype
+from engine.parallel.layout import layer_owner, layer_owner_ranges, split_batch
+from engine.plan import StepPlan
+from engine.runner import batch_inputs
+
+
+class ScratchLayer:
+    """One layer's worth of rows (latent + index key), addressed by slot: the layer in flight."""
+
+    def __init__(self, cfg, num_rows: int, dtype: torch.dtype):
+        self.latent_rows = torch.zeros(num_rows, cfg.latent_dim, dtype=dtype)
+        self.index_rows = torch.zeros(num_rows, max(cfg.index_head_dim, 1), dtype=dtype) if cfg.has_indexer else None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.latent_rows.numel() * self.latent_rows.element_size()
+        return n + (self.index_rows.numel() * self.index_rows.element_size() if self.index_rows is not None else 0)
+
+
+class CPKV:
+    """KVAccess of a prefill CP rank for one forward (see the module docstring)."""
+
+    def __init__(self, rank: "PrefillRank", layout, new_slots: torch.Tensor, req_slots: list[torch.Tensor],
+                 prefix_slots: torch.Tensor):
+        self.r, self.layout, self.new_slots, self.req_slots = rank, layout, new_slots, req_slots
+        self.prefix_slots = prefix_slots
+        self.order = torch.tensor(layout.gather_order(), dtype=torch.long)
+        self.width = layout.max_tokens_per_rank
+
+    def _all_gather(self, own: torch.Tensor) -> torch.Tensor:
+        """Own rows [T_own, W] → every new row [T, W] in batch order."""
+        r = self.r
+        if r.world == 1:
+            return own
+        buf = own.new_zeros(self.width, own.shape[1])
+        buf[: own.shape[0]] = own
+        out = own.new_empty(r.world * self.width, own.shape[1])
+        dist.all_gather_single(out, buf, group=r.group)
+        r.gathered_bytes += out.numel() * out.element_size()
+        return out[self.order]
+
+    def store(self, layer, latent, index_key):
+        r, cfg = self.r, self.r.cfg
+        packed = latent if index_key is None else torch.cat([latent, index_key.to(latent.dtype)], dim=-1)
+        full = self._all_gather(packed.to(r.dtype))
+        lat, idx = full[:, : cfg.latent_dim], (full[:, cfg.latent_dim :] if index_key is not None else None)
+        if r.pool.holds(layer):
+            r.pool.latent(layer)[self.new_slots] = lat
+            if idx is not None:
+                r.pool.index(layer)[self.new_slots] = idx
+        if r.scratch is None:
+            return
+        self._fill_prefix(layer, index_key is not None)
+        r.scratch.latent_rows[self.new_slots] = lat
+        if idx is not None:
+            r.scratch.index_rows[self.new_slots] = idx
+
+    def _fill_prefix(self, layer: int, has_index: bool) -> None:
+        """Layer split: the owner broadcasts the batch's cached-prefix rows of this layer."""
+        r, n = self.r, self.prefix_slots.numel()
+        if n == 0:
+            return
+        width = r.cfg.latent_dim + (r.cfg.index_head_dim if has_index else 0)
+        owner = layer_owner(layer, r.cfg.num_layers, r.world)
+        if r.rank == owner:
+            parts = [r.pool.latent(layer)[self.prefix_slots]]
+            if has_index:
+                parts.append(r.pool.index(layer)[self.prefix_slots])
+            buf = torch.cat(parts, dim=-1).contiguous()
+        else:
+            buf = torch.empty(n, width, dtype=r.dtype)
+        if r.world > 1:
+            dist.broadcast(buf, src=owner, group=r.group)
+        r.scratch.latent_rows[self.prefix_slots] = buf[:, : r.cfg.latent_dim]
+        if has_index:
+            r.scratch.index_rows[self.prefix_slots] = buf[:, r.cfg.latent_dim :]
+
+    def _source(self, layer):
+        r = self.r
+        if r.scratch is not None:
+            return r.scratch.latent_rows, r.scratch.index_rows
+        return r.pool.latent(layer), (r.pool.index(layer) if layer in r.pool.index_layers else None)
+
+    def latent(self, layer, req):
+        return self._source(layer)[0][self.req_slots[req]]
+
+    def index_keys(self, layer, req):
+        return self._source(layer)[1][self.req_slots[req]]
+
+    def decode_select(self, *a, **k):
+        raise NotImplementedError("prefill CP ranks run extend steps only")
+
+    decode_attention = decode_select
+
+
+class PrefillRank:
+    """Worker of one prefill CP rank (constructed in the rank process by WorkerGroup)."""
+
+    def __init__(self, ctx, model_dir: str, dtype: str, strategy: str, layer_split: bool, num_rows: int):
+        if layer_split and strategy != "interleave":
+            raise ValueError("layer_split: supported with the interleave strategy only")
+        self.rank, self.world, self.group = ctx.rank, ctx.world_size, ctx.group
+        self.strategy, self.dtype = strategy, parse_dtype(dtype)
+        self.lm = load_model(model_dir, dtype)
+        self.cfg = self.lm.cfg
+        layers = layer_owner_ranges(self.cfg.num_layers, self.world)[self.rank] if layer_split else None
+        self.pool = KVPool(self.cfg, num_rows, self.dtype, layers=layers)
+        self.scratch = ScratchLayer(self.cfg, num_rows, self.dtype) if layer_split else None
+        self.trace: dict | None = None
+        self.gathered_bytes = 0
+
+    def run(self, plan: StepPlan, trace: bool = False) -> tuple[dict[int, torch.Tensor], float]:
+        """One extend forward over this rank's share of the plan's new tokens.
+
+        Returns ({req_id: logits} for requests whose last prompt token this rank owns, seconds).
+        """
+        t0 = time.perf_counter()
+        ids, pos, new_slots, counts, kv_lens = batch_inputs(plan)
+        starts = [it.start for it in plan.items]
+        layout = split_batch(counts, starts, self.world, self.strategy)
+        mine = layout.ranks[self.rank]
+        own = torch.tensor(mine.token_indices, dtype=torch.long)
+        req_of = torch.tensor(mine.request_ids, dtype=torch.long)
+        views = []
+        for i, kv_len in enumerate(kv_lens):
+            local = (req_of == i).nonzero().squeeze(1)
+            views.append(RequestView(local, pos[own[local]], kv_len))
+        ends = torch.cumsum(torch.tensor(counts), 0) - 1
+        logit_local, logit_req = [], []
+        for i, it in enumerate(plan.items):
+            hit = (own == ends[i]).nonzero()
+            if it.wants_logits and hit.numel():
+                logit_local.append(int(hit[0, 0]))
+                logit_req.append(it.req_id)
+        prefix = [it.slots[: it.start] for it in plan.items]
+        kv = CPKV(self, layout, torch.cat(new_slots), [it.slots for it in plan.items], torch.cat(prefix))
+        self.trace = {} if trace else None
+        batch = ForwardBatch(ids[own], pos[own], views, kv, torch.tensor(logit_local, dtype=torch.long),
+                             trace=self.trace)
+        logits = self.lm(batch)
+        return {rid: logits[j] for j, rid in enumerate(logit_req)}, time.perf_counter() - t0
+
+    # ---- inspection (call_rank: no collectives) -----------------------------------------
+    def dump(self, slots: torch.Tensor) -> dict:
+        """Cache rows at `slots` of every persistent layer: {"latent": {layer: rows}, "index": {...}}."""
+        return {"latent": {l: self.pool.latent(l)[slots].clone() for l in self.pool.layers},
+                "index": {l: self.pool.index(l)[slots].clone() for l in self.pool.index_layers}}
+
+    def last_trace(self) -> dict | None:
+        return self.trace
+
+    def cache_bytes(self) -> dict:
+        return {"persistent": self.pool.nbytes, "scratch": self.scratch.nbytes if self.scratch else 0,
+                "layers": list(self.pool.layers), "bytes_per_layer": self.pool.nbytes // max(len(self.pool.layers), 1)}
+
+    def stats(self) -> dict:
+        return {"gathered_bytes": self.gathered_bytes}
+
+
+class CPRunner:
+    """Driver side: sends each plan to every rank and merges their logits."""
+
+    def __init__(self, group, trace: bool = False):
+        self.group, self.trace = group, trace
+        self.rank_seconds = [0.0] * group.world_size
+
+    def run(self, plan: StepPlan) -> dict[int, torch.Tensor]:
+        if plan.is_decode:
+            raise ValueError("prefill CP runs extend steps only (set max_new_tokens=1 for prefill)")
+        merged: dict[int, torch.Tensor] = {}
+        for r, (logits, seconds) in enumerate(self.group.call("run", plan, self.trace)):
+            merged.update(logits)
+            self.rank_seconds[r] += seconds
+        return {it.req_id: merged[it.req_id] for it in plan.items if it.req_id in merged}
