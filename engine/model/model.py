@@ -195,12 +195,9 @@ class Attention(nn.Module):
         self.indexer_type = cfg.indexer_types[layer]
         self.indexer = Indexer(cfg) if self.indexer_type == "full" else None
         self.scale = cfg.softmax_scale
+        self.head_slice = slice(0, h)  # heads whose output this module produces (a TP slice under DCP)
 
     # ---- projections ---------------------------------------------------------------------
-    @property
-    def num_local_heads(self) -> int:
-        return self.kv_b_proj.weight.shape[0] // (self.cfg.qk_nope_head_dim + self.cfg.v_head_dim)
-
     def project_q(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q_nope [T, H, dn], rotated q_rope [T, H, dr], q latent residual or None)."""
         cfg = self.cfg
@@ -282,9 +279,14 @@ class Attention(nn.Module):
         return out, (sels if mode != "dense" else None)
 
     def _decode(self, batch, q_nope, q_rope, iq, iw, prev_sel):
-        """One new token per request: absorbed MLA over the latent rows (sparse if DSA)."""
+        """One new token per request: absorbed MLA over the latent rows (sparse if DSA).
+
+        Under DCP, ``q_nope`` holds all heads (``replicate_q_proj``) or this rank's head slice,
+        and the cache access returns the merged output of this rank's ``head_slice`` only.
+        """
         w_uk, w_uv = self._w_kv()
-        q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
+        q_heads = slice(0, self.cfg.num_heads) if q_nope.shape[1] == self.cfg.num_heads else self.head_slice
+        q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk[q_heads])
         mode = self._selection_mode()
         if mode == "own":
             sel = batch.kv.decode_select(self.layer, iq, iw, self.cfg.index_topk, self.indexer)
@@ -295,7 +297,7 @@ class Attention(nn.Module):
         if batch.trace is not None and sel is not None:
             batch.trace[self.layer] = sel
         out_lat = batch.kv.decode_attention(self.layer, q_lat, q_rope, sel, self.scale)
-        return torch.einsum("bhr,hvr->bhv", out_lat, w_uv), sel
+        return torch.einsum("bhr,hvr->bhv", out_lat, w_uv[self.head_slice]), sel
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,79 @@
+"""The DCP decode engine: scheduler in the driver, the sharded model on C rank processes.
+
+Prompts reach the decode ranks as KV rows. In this engine (the `cpserve decode` test entry)
+the driver prefills with the one-process reference and hands the rows to the ranks; the decode
+service receives them from the prefill service through the KV-transfer layer instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.pool import KVPool
+from engine.cache.slots import pages_needed
+from engine.model.loader import load_model, parse_dtype
+from engine.model.tiny import resolve_model_dir
+from engine.model.tokenizer import load_tokenizer
+from engine.parallel.group import WorkerGroup
+from engine.plan import StepPlan
+from engine.runner import LocalRunner
+from engine.scheduler import Engine, Scheduler
+
+
+class DCPRunner:
+    """Decode steps go to the DCP group; extend steps run on the driver's reference and their
+    rows are handed to the ranks (rank p mod C keeps token p)."""
+
+    def __init__(self, group, prefill: LocalRunner | None, trace: bool = False):
+        self.group, self.prefill, self.trace = group, prefill, trace
+        self.rank_seconds = [0.0] * group.world_size
+
+    def run(self, plan: StepPlan) -> dict[int, torch.Tensor]:
+        if not plan.is_decode:
+            if self.prefill is None:
+                raise ValueError("this decode engine receives prompts as KV only")
+            logits = self.prefill.run(plan)
+            pool = self.prefill.pool
+            slots = torch.cat([it.slots[it.start : it.end] for it in plan.items])
+            latent = {l: pool.latent(l)[slots] for l in range(pool.cfg.num_layers)}
+            index = {l: pool.index(l)[slots] for l in pool.index_layers}
+            self.group.call("load_rows", slots, latent, index)
+            return logits
+        out: dict[int, torch.Tensor] = {}
+        for r, (logits, seconds) in enumerate(self.group.call("run", plan, self.trace)):
+            out.update(logits)
+            self.rank_seconds[r] += seconds
+        return out
+
+
+class DCPDecodeEngine(Engine):
+    def __init__(self, model: str = "tiny", dcp: int = 2, exchange: str = "a2a", indexer: str = "copied",
+                 replicate_q_proj: bool = False, dtype: str = "fp32", page_size: int = 16,
+                 max_cache_tokens: int = 1 << 16, chunk_size: int = 4096, threads_per_rank: int = 1,
+                 record_logits: bool = False, trace: bool = False, reference_prefill: bool = True):
+        self.model_dir = resolve_model_dir(model)
+        lm = load_model(self.model_dir, dtype) if reference_prefill else None
+        from engine.model.config import ModelConfig
+
+        self.cfg = ModelConfig.from_dir(self.model_dir)
+        if dcp < 1 or self.cfg.num_heads % dcp:
+            raise ValueError(f"dcp: {dcp} must be >= 1 and divide the model's {self.cfg.num_heads} attention heads")
+        self.tokenizer = load_tokenizer(self.model_dir)
+        num_pages = pages_needed(max_cache_tokens, page_size, dcp)
+        rows_per_rank = num_pages * page_size
+        self.group = WorkerGroup(dcp, "engine.parallel.dcp:DecodeRank",
+                                 (str(self.model_dir), dtype, rows_per_rank, exchange, indexer, replicate_q_proj),
+                                 threads_per_rank=threads_per_rank, name="decode")
+        prefill = LocalRunner(lm, KVPool(self.cfg, rows_per_rank * dcp, parse_dtype(dtype))) if lm else None
+        self.group.ready()
+        super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, dcp, record_logits),
+                         DCPRunner(self.group, prefill, trace))
+
+    def close(self) -> None:
+        self.group.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,294 @@
+"""Decode context parallelism (DCP): each request's KV cache is split across the C ranks.
+
+Token p of a request lives on rank p mod C (engine/cache/slots.py). Attention heads are split
+into C slices, so the DCP group is also the tensor-parallel group of the rest of the layer:
+
+1. Queries for all heads reach every rank: an all-gather of the head slices (absorbed query
+   latent + rotary part), or ``replicate_q_proj`` — every rank keeps the full query projection
+   and skips that all-gather.
+2. Each rank runs absorbed-MLA attention for all heads over the rows it owns (only the selected
+   ones on DSA layers) → a partial output and an LSE per head (base e).
+3. Exchange: ``a2a`` — one all-to-all of outputs + LSEs, each rank merges its head slice
+   locally; ``ag_rs`` — all-gather of the LSEs, each rank rescales its partials, then a
+   reduce-scatter sums them into head slices. Either way each rank ends with its head slice over
+   the whole cache — what plain TP would hold — and ``W_UV``, ``o_proj`` (row-parallel) and the
+   MLP / MoE (column- then row-parallel) run as in TP, with one all-reduce after each.
+
+DSA index: ``copied`` — every rank keeps every index key and computes the same top-k, then
+attends over the selected rows it owns; ``split`` — each rank keeps the index keys of its own
+tokens, takes a local top-k of (score, position), all-gathers the candidates and takes the
+exact global top-k (a token of the global top-k is in its owner's local top-k under the same
+total order: score, then position).
+
+What one rank stores: ~1/C of the latent rows (+ all index keys when copied, 1/C when split),
+1/C of the heads' projection and MLP weights. What crosses per layer and step (B requests, H
+heads, r = kv_lora_rank, dr = rope dim): the query all-gather B·H·(r+dr) values (unless
+replicated); the exchange B·H·(r+1) values (a2a) or B·H LSEs + B·H·r values reduce-scattered
+(ag_rs); on split-index layers B·C·k (score, position) candidates; two all-reduces of B·hidden.
+Cost: attention reads N/C rows per rank instead of N.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.cache.local import pad_rows
+from engine.model.attention import absorbed_decode, merge_partials, topk_mask
+from engine.model.batch import ForwardBatch, RequestView
+from engine.model.loader import load_model, parse_dtype
+from engine.model.model import MLP, CausalLM, MoE
+from engine.plan import StepPlan
+from engine.runner import batch_inputs
+
+EXCHANGES = ("a2a", "ag_rs")
+INDEXERS = ("copied", "split")
+
+
+# ---- tensor-parallel sharding of a loaded model ----------------------------------------------
+def _rows(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return torch.tensor_split(w, world, dim=0)[rank].clone()
+
+
+def _cols(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return torch.tensor_split(w, world, dim=-1)[rank].clone()
+
+
+def shard_for_dcp(lm: CausalLM, rank: int, world: int, replicate_q_proj: bool) -> None:
+    """Keep this rank's slice of every tensor-parallel weight, in place.
+
+    | weight                          | split                                  |
+    |---------------------------------|----------------------------------------|
+    | q_b_proj / q_proj               | output rows by head (unless replicated) |
+    | o_proj                          | input columns by head (row-parallel)    |
+    | MLP & experts gate/up           | output rows (intermediate dim)          |
+    | MLP & experts down              | input columns (intermediate dim)        |
+    | kv_a, kv_b, indexer, router, embeddings, norms, lm_head | replicated     |
+    """
+    cfg = lm.cfg
+    if cfg.num_heads % world:
+        raise ValueError(f"dcp: {world} ranks must divide the model's {cfg.num_heads} attention heads")
+    per = cfg.num_heads // world
+    with torch.no_grad():
+        for layer in lm.model.layers:
+            attn = layer.self_attn
+            attn.head_slice = slice(rank * per, (rank + 1) * per)
+            if not replicate_q_proj:
+                proj = attn.q_b_proj if cfg.q_lora_rank else attn.q_proj
+                proj.weight = torch.nn.Parameter(_rows(proj.weight, rank, world), requires_grad=False)
+            attn.o_proj.weight = torch.nn.Parameter(_cols(attn.o_proj.weight, rank, world), requires_grad=False)
+            if attn.o_proj.bias is not None and rank != 0:
+                attn.o_proj.bias.zero_()  # the all-reduce adds the bias once
+            mlps = [layer.mlp] if isinstance(layer.mlp, MLP) else []
+            if isinstance(layer.mlp, MoE):
+                ex = layer.mlp.experts
+                ex.gate_proj = torch.nn.Parameter(torch.tensor_split(ex.gate_proj, world, 1)[rank].clone(), requires_grad=False)
+                ex.up_proj = torch.nn.Parameter(torch.tensor_split(ex.up_proj, world, 1)[rank].clone(), requires_grad=False)
+                ex.down_proj = torch.nn.Parameter(_cols(ex.down_proj, rank, world), requires_grad=False)
+                if layer.mlp.shared_experts is not None:
+                    mlps.append(layer.mlp.shared_experts)
+            for mlp in mlps:
+                for name in ("gate_proj", "up_proj"):
+                    lin = getattr(mlp, name)
+                    lin.weight = torch.nn.Parameter(_rows(lin.weight, rank, world), requires_grad=False)
+                mlp.down_proj.weight = torch.nn.Parameter(_cols(mlp.down_proj.weight, rank, world), requires_grad=False)
+
+
+# ---- cache access of one DCP rank ------------------------------------------------------------
+class DCPKV:
+    """KVAccess of a DCP rank for one decode step (see the module docstring)."""
+
+    def __init__(self, r: "DecodeRank", new_slots: torch.Tensor, req_slots: list[torch.Tensor]):
+        self.r, self.new_slots, self.req_slots = r, new_slots, req_slots
+
+    def store(self, layer, latent, index_key):
+        """Entries of the step's tokens: the latent only on its owner rank p mod C."""
+        r = self.r
+        mine = self.new_slots % r.world == r.rank
+        r.latent[layer][self.new_slots[mine] // r.world] = latent[mine].to(r.dtype)
+        if index_key is not None:
+            if r.indexer == "copied":
+                r.index[layer][self.new_slots] = index_key.to(r.dtype)
+            else:
+                r.index[layer][self.new_slots[mine] // r.world] = index_key[mine].to(r.dtype)
+
+    def latent(self, layer, req):
+        raise NotImplementedError("DCP ranks run decode steps only; prompts arrive as KV")
+
+    index_keys = latent
+
+    def _own_positions(self, req: int) -> torch.Tensor:
+        n = self.req_slots[req].numel()
+        return torch.arange(self.r.rank, max(n, self.r.rank), self.r.world)
+
+    def decode_select(self, layer, iq, iw, k, indexer):
+        """Positions each request attends to (None = all): the same list on every rank."""
+        r = self.r
+        if r.indexer == "copied":
+            out = []
+            for b, slots in enumerate(self.req_slots):
+                if slots.numel() <= k:
+                    out.append(None)
+                    continue
+                scores = indexer.scores(iq[b : b + 1], iw[b : b + 1], r.index[layer][slots])
+                out.append(topk_mask(scores, k, torch.ones_like(scores, dtype=torch.bool))[0].nonzero().squeeze(1))
+            return out
+        return self._split_select(layer, iq, iw, k, indexer)
+
+    def _split_select(self, layer, iq, iw, k, indexer):
+        r = self.r
+        cand = torch.full((len(self.req_slots), k, 2), float("-inf"), dtype=torch.float64)
+        cand[..., 1] = -1
+        for b, slots in enumerate(self.req_slots):
+            if slots.numel() <= k:
+                continue
+            pos = self._own_positions(b)
+            if pos.numel() == 0:
+                continue
+            rows = slots[pos] // r.world
+            scores = indexer.scores(iq[b : b + 1], iw[b : b + 1], r.index[layer][rows])[0]
+            keep = topk_mask(scores[None], k, torch.ones(1, pos.numel(), dtype=torch.bool))[0]
+            cand[b, : int(keep.sum()), 0] = scores[keep].double()
+            cand[b, : int(keep.sum()), 1] = pos[keep].double()
+        gathered = torch.empty(r.world * cand.shape[0], *cand.shape[1:], dtype=cand.dtype)
+        dist.all_gather_single(gathered, cand, group=r.group)
+        gathered = gathered.view(r.world, *cand.shape)
+        r.bytes_sent["index_candidates"] += cand.numel() * cand.element_size()
+        out = []
+        for b, slots in enumerate(self.req_slots):
+            if slots.numel() <= k:
+                out.append(None)
+                continue
+            c = gathered[:, b].reshape(-1, 2)
+            c = c[c[:, 1] >= 0]
+            order = torch.argsort(c[:, 1])
+            s, p = c[order, 0], c[order, 1].long()
+            keep = topk_mask(s[None], k, torch.ones(1, s.numel(), dtype=torch.bool))[0]
+            out.append(p[keep])
+        return out
+
+    def _gather_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H/C, d] head slices → [B, H, d] on every rank."""
+        r = self.r
+        out = torch.empty(r.world * x.shape[0], *x.shape[1:], dtype=x.dtype)
+        dist.all_gather_single(out, x.contiguous(), group=r.group)
+        out = out.view(r.world, *x.shape)
+        r.bytes_sent["q_all_gather"] += x.numel() * x.element_size()
+        return out.permute(1, 0, 2, 3).reshape(x.shape[0], -1, x.shape[2])
+
+    def decode_attention(self, layer, q_lat, q_rope, sel, scale):
+        r = self.r
+        heads = r.cfg.num_heads
+        if q_lat.shape[1] != heads:
+            q = self._gather_heads(torch.cat([q_lat, q_rope], dim=-1))
+            q_lat, q_rope = q[..., : r.cfg.kv_lora_rank], q[..., r.cfg.kv_lora_rank :]
+        rows = []
+        for b, slots in enumerate(self.req_slots):
+            pos = self._own_positions(b)
+            if sel is not None and sel[b] is not None:
+                pos = sel[b][sel[b] % r.world == r.rank]
+            rows.append(slots[pos] // r.world)
+        gathered, valid = pad_rows(r.latent[layer], rows)
+        out, lse = absorbed_decode(q_lat, q_rope, gathered.to(q_lat.dtype), valid, r.cfg.kv_lora_rank, scale)
+        if r.world == 1:
+            return out
+        return self._exchange(out, lse)
+
+    def _exchange(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Partial [B, H, r] + lse [B, H] over own rows → merged [B, H/C, r] for own heads."""
+        r = self.r
+        b, h, d = out.shape
+        per = h // r.world
+        if r.exchange == "a2a":
+            packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)  # [B, H, r+1]
+            send = packed.view(b, r.world, per, d + 1).permute(1, 0, 2, 3).contiguous()
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=r.group)
+            r.bytes_sent["exchange"] += send.numel() * send.element_size() * (r.world - 1) // r.world
+            merged, _ = merge_partials(recv[..., :d], recv[..., d])
+            return merged.to(out.dtype)
+        lses = torch.empty(r.world * b, h, dtype=lse.dtype)
+        dist.all_gather_single(lses, lse.contiguous(), group=r.group)
+        lses = lses.view(r.world, b, h)
+        total = torch.logsumexp(lses, dim=0)
+        scale = torch.exp(lse - torch.where(torch.isneginf(total), torch.zeros_like(total), total))
+        scale = torch.where(torch.isneginf(lse), torch.zeros_like(scale), scale)
+        scaled = (out.float() * scale.unsqueeze(-1)).view(b, r.world, per, d).permute(1, 0, 2, 3).contiguous()
+        mine = torch.empty(b, per, d, dtype=scaled.dtype)
+        dist.reduce_scatter_tensor(mine, scaled.view(r.world * b, per, d), group=r.group)
+        r.bytes_sent["exchange"] += lse.numel() * lse.element_size() + scaled.numel() * scaled.element_size() * (
+            r.world - 1) // r.world
+        return mine.to(out.dtype)
+
+
+class DecodeRank:
+    """Worker of one DCP decode rank (constructed in the rank process by WorkerGroup)."""
+
+    def __init__(self, ctx, model_dir: str, dtype: str, num_rows: int, exchange: str = "a2a",
+                 indexer: str = "copied", replicate_q_proj: bool = False):
+        if exchange not in EXCHANGES:
+            raise ValueError(f"dcp_comm: {exchange!r} is not one of {', '.join(EXCHANGES)}")
+        if indexer not in INDEXERS:
+            raise ValueError(f"indexer: {indexer!r} is not one of {', '.join(INDEXERS)}")
+        self.rank, self.world, self.group = ctx.rank, ctx.world_size, ctx.group
+        self.exchange, self.indexer, self.dtype = exchange, indexer, parse_dtype(dtype)
+        self.lm = load_model(model_dir, dtype)
+        self.cfg = self.lm.cfg
+        shard_for_dcp(self.lm, self.rank, self.world, replicate_q_proj)
+        cfg = self.cfg
+        self.num_rows = num_rows
+        self.latent = torch.zeros(cfg.num_layers, num_rows, cfg.latent_dim, dtype=self.dtype)
+        index_rows = num_rows * self.world if indexer == "copied" else num_rows
+        self.index = {l: torch.zeros(index_rows, cfg.index_head_dim, dtype=self.dtype) for l in cfg.indexer_layer_ids}
+        self.bytes_sent = {"q_all_gather": 0, "exchange": 0, "index_candidates": 0, "all_reduce": 0}
+        self.trace: dict | None = None
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(x, group=self.group)
+            self.bytes_sent["all_reduce"] += x.numel() * x.element_size()
+        return x
+
+    def load_rows(self, slots: torch.Tensor, latent: dict, index: dict) -> None:
+        """Receive prompt entries computed elsewhere (test entry; the service uses Mooncake)."""
+        mine = slots % self.world == self.rank
+        for layer, rows in latent.items():
+            self.latent[layer][slots[mine] // self.world] = rows[mine].to(self.dtype)
+        for layer, rows in index.items():
+            if self.indexer == "copied":
+                self.index[layer][slots] = rows.to(self.dtype)
+            else:
+                self.index[layer][slots[mine] // self.world] = rows[mine].to(self.dtype)
+
+    def run(self, plan: StepPlan, trace: bool = False) -> tuple[dict[int, torch.Tensor], float]:
+        if not plan.is_decode:
+            raise ValueError("DCP ranks run decode steps only")
+        t0 = time.perf_counter()
+        ids, pos, new_slots, _, kv_lens = batch_inputs(plan)
+        views = [RequestView(torch.tensor([b]), pos[b : b + 1], kv) for b, kv in enumerate(kv_lens)]
+        kv = DCPKV(self, torch.cat(new_slots), [it.slots for it in plan.items])
+        self.trace = {} if trace else None
+        batch = ForwardBatch(ids, pos, views, kv, torch.arange(len(plan.items)), is_decode=True,
+                             all_reduce=self._all_reduce, trace=self.trace)
+        logits = self.lm(batch)
+        result = {it.req_id: logits[b] for b, it in enumerate(plan.items)} if self.rank == 0 else {}
+        return result, time.perf_counter() - t0
+
+    # ---- inspection (call_rank: no collectives) -----------------------------------------
+    def rows(self, slots: torch.Tensor) -> dict:
+        """This rank's latent rows of the given group slots it owns: {layer: rows}."""
+        mine = slots[slots % self.world == self.rank] // self.world
+        return {"rows": mine, "latent": self.latent[:, mine].clone()}
+
+    def memory(self) -> dict:
+        latent = self.latent.numel() * self.latent.element_size()
+        index = sum(t.numel() * t.element_size() for t in self.index.values())
+        return {"latent_bytes": latent, "index_bytes": index, "num_rows": self.num_rows}
+
+    def stats(self) -> dict:
+        return dict(self.bytes_sent)
+
+    def last_trace(self):
+        return self.trace
