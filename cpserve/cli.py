@@ -104,6 +104,22 @@ def cmd_prefill(args, parser) -> int:
     return 0
 
 
+def cmd_decode(args, parser) -> int:
+    from engine.decode_engine import DCPDecodeEngine
+
+    with DCPDecodeEngine(args.model, dcp=args.dcp, exchange=args.dcp_comm, indexer=args.indexer,
+                         replicate_q_proj=args.replicate_q_proj, dtype=args.dtype,
+                         threads_per_rank=args.threads_per_rank, max_cache_tokens=args.max_cache_tokens) as engine:
+        ids = prompt_ids_from_args(args, engine.tokenizer, parser)
+        seq = engine.generate([ids], sampling_from_args(args))[0]
+        memory = engine.group.call("memory")
+    steps = [round((b - a) * 1e3, 3) for a, b in zip(seq.token_times, seq.token_times[1:])]
+    extra = {"dcp": args.dcp, "dcp_comm": args.dcp_comm, "indexer": args.indexer, "step_ms": steps,
+             "cache_bytes_per_rank": [m["latent_bytes"] + m["index_bytes"] for m in memory]}
+    print_generation(args, engine.tokenizer, seq.output_ids, seq.ttft_ms, seq.tpot_ms, extra)
+    return 0
+
+
 def cmd_make_tiny(args, parser) -> int:
     from engine.model.tiny import make_tiny
 
@@ -135,6 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cache-tokens", type=int, default=1 << 16)
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_prefill, cmd_parser=p)
+
+    p = sub.add_parser("decode", help="prefill with the reference, then decode with a real DCP group")
+    add_model_args(p)
+    add_prompt_args(p)
+    add_sampling_args(p)
+    p.add_argument("--dcp", type=int, default=2, help="decode context-parallel ranks (must divide the heads)")
+    p.add_argument("--dcp-comm", default="a2a", choices=["a2a", "ag_rs"], help="attention output exchange")
+    p.add_argument("--indexer", default="copied", choices=["copied", "split"], help="DSA index placement")
+    p.add_argument("--replicate-q-proj", action="store_true", help="full query projection on every rank")
+    p.add_argument("--threads-per-rank", type=int, default=1)
+    p.add_argument("--max-cache-tokens", type=int, default=1 << 16)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_decode, cmd_parser=p)
 
     p = sub.add_parser("make-tiny", help="write a deterministic tiny Hugging Face-format checkpoint")
     p.add_argument("dir")

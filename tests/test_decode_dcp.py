@@ -1,0 +1,151 @@
+"""Decode context parallelism on real rank processes (gloo), against the one-process reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.cache.capacity import plan_capacity
+from engine.cache.slots import token_slots
+from engine.decode_engine import DCPDecodeEngine
+from engine.model.attention import absorbed_decode, merge_partials
+from engine.model.sampler import SamplingParams
+from engine.model.tiny import make_tiny
+from engine.reference import ReferenceEngine
+
+STEPS = SamplingParams(max_new_tokens=64, stop_token_ids=())
+LENGTHS = [70, 3, 45, 1, 130]  # contexts shorter than C, not multiples of C, above index_topk
+LATE = 57  # a request that joins while the others decode
+
+
+def prompts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in LENGTHS + [LATE]]
+
+
+def run(engine, ps):
+    seqs = [engine.add_request(p, STEPS) for p in ps[:-1]]
+    for _ in range(5):
+        engine.step()
+    seqs.append(engine.add_request(ps[-1], STEPS))
+    while engine.has_work:
+        engine.step()
+    return seqs
+
+
+# ---- worked examples and the merge itself -----------------------------------------------------
+def test_lse_merge_worked_example():
+    """Scores 4,2,1,1 (exponentiated); rank 0 holds tokens 0,2, rank 1 tokens 1,3."""
+    logits = torch.log(torch.tensor([4.0, 2.0, 1.0, 1.0]))
+    values = torch.eye(4)
+    parts, lses = [], []
+    for toks in ([0, 2], [1, 3]):
+        l = logits[toks]
+        lses.append(torch.logsumexp(l, 0))
+        parts.append(torch.softmax(l, 0) @ values[toks])
+    assert torch.allclose(torch.exp(torch.stack(lses)) / 8, torch.tensor([5 / 8, 3 / 8]))
+    out, lse = merge_partials(torch.stack(parts), torch.stack(lses))
+    assert torch.allclose(out, torch.tensor([0.5, 0.25, 0.125, 0.125]))
+    assert math.isclose(float(lse), math.log(8), rel_tol=1e-6)
+
+
+def test_empty_shard_contributes_zero_not_nan():
+    q = torch.randn(1, 2, 8)
+    qr = torch.randn(1, 2, 4)
+    rows = torch.randn(1, 3, 12)
+    out, lse = absorbed_decode(q, qr, rows, torch.tensor([[True, True, True]]), 8, 0.3)
+    empty_out, empty_lse = absorbed_decode(q, qr, rows, torch.zeros(1, 3, dtype=torch.bool), 8, 0.3)
+    assert torch.isneginf(empty_lse).all() and not torch.isnan(empty_out).any() and (empty_out == 0).all()
+    merged, mlse = merge_partials(torch.stack([out, empty_out]), torch.stack([lse, empty_lse]))
+    assert torch.equal(merged, out) and torch.equal(mlse, lse)
+    none, none_lse = merge_partials(torch.stack([empty_out, empty_out]), torch.stack([empty_lse, empty_lse]))
+    assert not torch.isnan(none).any() and torch.isneginf(none_lse).all()
+
+
+# ---- real groups ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def six_heads(tmp_path_factory):
+    return str(make_tiny(tmp_path_factory.mktemp("six") / "glm6", "glm_moe_dsa", num_attention_heads=6,
+                         num_key_value_heads=6))
+
+
+_REFS: dict = {}
+
+
+def reference(model: str):
+    if model not in _REFS:
+        _REFS[model] = run(ReferenceEngine(model, record_logits=True), prompts())
+    return _REFS[model]
+
+
+CONFIGS = [  # model, C, exchange, indexer, replicate_q_proj
+    ("tiny", 1, "a2a", "copied", False),
+    ("tiny", 2, "a2a", "copied", False),
+    ("tiny", 2, "ag_rs", "split", True),
+    ("tiny", 4, "a2a", "split", False),
+    ("tiny", 4, "ag_rs", "copied", True),
+    ("tiny-v3", 2, "ag_rs", "copied", False),
+    ("tiny-v3", 4, "a2a", "copied", True),
+    ("six", 3, "a2a", "split", False),
+    ("six", 3, "ag_rs", "copied", True),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model,dcp,exchange,indexer,replicate", CONFIGS)
+def test_dcp_decode_matches_reference(six_heads, model, dcp, exchange, indexer, replicate):
+    model = six_heads if model == "six" else model
+    ref = reference(model)
+    with DCPDecodeEngine(model, dcp=dcp, exchange=exchange, indexer=indexer, replicate_q_proj=replicate,
+                         record_logits=True) as eng:
+        seqs = run(eng, prompts())
+        for ours, theirs in zip(seqs, ref):
+            assert ours.output_ids == theirs.output_ids
+            assert len(ours.logits) == 64
+            for a, b in zip(ours.logits, theirs.logits):
+                assert float((a - b).abs().max() / b.abs().max()) < 1e-4
+        assert eng.allocator.num_free == eng.allocator.num_pages
+        stats = eng.group.call("stats")
+        if dcp > 1:
+            assert all(s["exchange"] > 0 and s["all_reduce"] > 0 for s in stats)
+            assert all((s["q_all_gather"] > 0) != replicate for s in stats)
+            assert all((s["index_candidates"] > 0) == (indexer == "split" and model != "tiny-v3") for s in stats)
+
+
+def test_rows_per_rank_and_capacity_match_the_plan():
+    dcp, page = 4, 16
+    with DCPDecodeEngine("tiny", dcp=dcp, page_size=page, max_cache_tokens=4096, indexer="copied") as eng:
+        cfg = eng.cfg
+        n = 1003
+        seq = eng.add_request([3 + i % 250 for i in range(n)], SamplingParams(max_new_tokens=1, stop_token_ids=()))
+        eng.scheduler._admit()
+        slots = token_slots(seq.pages, n, page, dcp)
+        counts = [eng.group.call_rank(r, "rows", slots)["rows"].numel() for r in range(dcp)]
+        assert sorted(set(counts)) == sorted({n // dcp, -(-n // dcp)}) and sum(counts) == n
+        eng.abort(seq)
+        assert eng.allocator.num_free == eng.allocator.num_pages
+        mem = eng.group.call("memory")
+        tokens = eng.scheduler.capacity_tokens
+        for indexer in ("copied",):
+            plan = plan_capacity(cfg.latent_dim * 4, cfg.num_layers, cfg.index_head_dim * 4, cfg.num_indexer_layers,
+                                 dcp, indexer, tokens)
+            for m in mem:
+                measured = (m["latent_bytes"] + m["index_bytes"]) / tokens
+                assert abs(measured / plan.bytes_per_token_per_rank - 1) < 0.01
+    # a fixed per-rank budget: tokens that fit ≥ 99% of the formula's
+    budget = 64 << 20
+    for c in (2, 4):
+        for indexer in ("copied", "split"):
+            plan = plan_capacity(cfg.latent_dim * 4, cfg.num_layers, cfg.index_head_dim * 4, cfg.num_indexer_layers,
+                                 c, indexer, None)
+            per_page_rank = page * (cfg.latent_dim * 4 * cfg.num_layers) + (
+                page * c if indexer == "copied" else page) * cfg.index_head_dim * 4 * cfg.num_indexer_layers
+            pages = budget // per_page_rank
+            assert pages * page * c >= 0.99 * budget / plan.bytes_per_token_per_rank
+
+
+def test_heads_must_divide():
+    with pytest.raises(ValueError, match="divide the model's 4 attention heads"):
+        DCPDecodeEngine("tiny", dcp=3)
