@@ -197,3 +197,16 @@ def test_stop_token_ends_generation(glm_dir):
     full = eng.generate([p], SamplingParams(max_new_tokens=10, stop_token_ids=()))[0].output_ids
     stopped = eng.generate([p], SamplingParams(max_new_tokens=10, stop_token_ids=(full[3],)))[0]
     assert stopped.output_ids == full[: full.index(full[3]) + 1] and stopped.finish_reason == "stop"
+
+
+def test_sparse_extend_attention_equals_dense_masked():
+    from engine.model.attention import extend_attention, sparse_extend_attention, topk_mask
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(50, 3, 8, generator=g), torch.randn(300, 3, 8, generator=g), torch.randn(300, 3, 5, generator=g)
+    q_pos = torch.arange(250, 300)
+    q_pos[:5] = torch.arange(5)  # early queries see fewer keys than the selection width
+    causal = torch.arange(300)[None] <= q_pos[:, None]
+    mask = topk_mask(torch.randn(50, 300, generator=g), 16, causal)
+    dense = extend_attention(q, k, v, mask, 0.3)[0]
+    assert torch.allclose(sparse_extend_attention(q, k, v, mask, 0.3, 16), dense, atol=1e-6)

@@ -49,6 +49,38 @@ def extend_attention(
     return out, lse.transpose(0, 1)
 
 
+# Gathering the selected keys beats dense masked SDPA once keys outnumber the selection ~64×
+# (measured on CPU: 2.5× faster at 8k keys and top-k 32, 2× slower at 1k).
+SPARSE_MIN_KEYS_PER_SELECTED = 64
+
+
+def mask_to_indices(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column indices of the True entries of each row, ascending, padded to `width` (+ validity)."""
+    counts = mask.sum(dim=1)
+    rows, cols = mask.nonzero(as_tuple=True)
+    first = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(rows.numel()) - first[rows]
+    idx = torch.zeros(mask.shape[0], width, dtype=torch.long)
+    idx[rows, slot] = cols
+    return idx, torch.arange(width)[None, :] < counts[:, None]
+
+
+def sparse_extend_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, width: int
+) -> torch.Tensor:
+    """Extend attention when each query reads at most `width` keys (DSA top-k).
+
+    Gathers each query's selected keys instead of scoring all of them: O(Tq·width) instead of
+    O(Tq·L). q [Tq, H, dk], k [L, H, dk], v [L, H, dv], mask [Tq, L] with ≤ width True per row.
+    """
+    idx, valid = mask_to_indices(mask, min(width, mask.shape[1]))
+    ks, vs = k[idx], v[idx]  # [Tq, W, H, d]
+    scores = (q.unsqueeze(1) * ks).sum(-1).float() * scale  # [Tq, W, H]
+    scores = scores.masked_fill(~valid.unsqueeze(-1), float("-inf"))
+    probs = torch.softmax(scores, dim=1).to(v.dtype)
+    return (probs.unsqueeze(-1) * vs).sum(1)
+
+
 def absorbed_decode(
     q_lat: torch.Tensor,
     q_rope: torch.Tensor,

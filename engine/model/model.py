@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import extend_attention, topk_mask
+from engine.model.attention import (
+    SPARSE_MIN_KEYS_PER_SELECTED,
+    extend_attention,
+    sparse_extend_attention,
+    topk_mask,
+)
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.rope import Rotary, apply_rope
@@ -270,7 +275,10 @@ class Attention(nn.Module):
                     mask = prev_sel[i][len(req_sel)]
                 req_sel.append(mask)
                 q = torch.cat([q_nope[qi], q_rope[qi]], dim=-1)
-                out[qi] = extend_attention(q, k, v, mask, self.scale)[0]
+                if mode != "dense" and latent.shape[0] >= SPARSE_MIN_KEYS_PER_SELECTED * cfg.index_topk:
+                    out[qi] = sparse_extend_attention(q, k, v, mask, self.scale, cfg.index_topk)
+                else:
+                    out[qi] = extend_attention(q, k, v, mask, self.scale)[0]
             sels.append(req_sel)
         if batch.trace is not None and mode != "dense":
             batch.trace[self.layer] = [
