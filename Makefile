@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 # Debian libraries the Mooncake transfer engine loads (needs root; skipped when already present).
 sysdeps:
-	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q libnl-route-3.so.200; then \
+	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q libnl-route-3.so.200 || ! command -v ip >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 iproute2 util-linux >/dev/null; \
 	  else echo "warning: libibverbs1/libnl missing and not root: install them to use the Mooncake transport"; fi; \
 	fi
@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Until the router lands (issue 6), the main job is a demo: one prompt through the reference
+# engine, a CP=2 prefill group and a DCP=2 decode group, with timings.
 up: setup
-	$(VENV)/bin/cpserve up
+	$(VENV)/bin/cpserve demo
 
 # Tests run inside a private network namespace with only loopback (no traffic can leave 127.0.0.1).
 test: setup

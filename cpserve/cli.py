@@ -120,6 +120,33 @@ def cmd_decode(args, parser) -> int:
     return 0
 
 
+def cmd_demo(args, parser) -> int:
+    """What `make up` runs until the router lands: one prompt through every engine, with timings."""
+    from engine.decode_engine import DCPDecodeEngine
+    from engine.model.sampler import SamplingParams
+    from engine.prefill_engine import CPPrefillEngine
+    from engine.reference import ReferenceEngine
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=())
+    ref = ReferenceEngine(args.model)
+    ids = ref.tokenizer.encode(args.prompt)
+    print(f"model {ref.model_dir} ({ref.cfg.model_type}, {ref.cfg.num_layers} layers); prompt {len(ids)} tokens")
+    seq = ref.generate([ids], params)[0]
+    print(f"reference      : {seq.output_ids[:12]}...  TTFT {seq.ttft_ms:7.1f} ms  TPOT {seq.tpot_ms:6.2f} ms")
+    with CPPrefillEngine(args.model, cp=args.cp) as cp:
+        first = cp.generate([ids], SamplingParams(max_new_tokens=1, stop_token_ids=()))[0]
+    print(f"prefill CP={args.cp}   : first token {first.output_ids[0]} "
+          f"({'matches' if first.output_ids[0] == seq.output_ids[0] else 'DIFFERS from'} the reference)  "
+          f"TTFT {first.ttft_ms:7.1f} ms")
+    with DCPDecodeEngine(args.model, dcp=args.dcp) as dcp:
+        dec = dcp.generate([ids], params)[0]
+    same = dec.output_ids == seq.output_ids
+    print(f"decode DCP={args.dcp}   : {dec.output_ids[:12]}...  TPOT {dec.tpot_ms:6.2f} ms  "
+          f"({'equal to' if same else 'DIFFERENT from'} the reference)")
+    print(f"text: {ref.tokenizer.decode(seq.output_ids)!r}")
+    return 0 if same else 1
+
+
 def cmd_make_tiny(args, parser) -> int:
     from engine.model.tiny import make_tiny
 
@@ -164,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cache-tokens", type=int, default=1 << 16)
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_decode, cmd_parser=p)
+
+    p = sub.add_parser("demo", help="one prompt through the reference, a CP prefill group and a DCP decode group")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--prompt", default="Context parallelism splits long prompts across ranks.")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--dcp", type=int, default=2)
+    p.set_defaults(handler=cmd_demo, cmd_parser=p)
 
     p = sub.add_parser("make-tiny", help="write a deterministic tiny Hugging Face-format checkpoint")
     p.add_argument("dir")
