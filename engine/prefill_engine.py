@@ -20,7 +20,7 @@ STRATEGIES = ("interleave", "zigzag")
 class CPPrefillEngine(Engine):
     def __init__(self, model: str = "tiny", cp: int = 2, strategy: str = "interleave", layer_split: bool = False,
                  dtype: str = "fp32", chunk_size: int = 4096, page_size: int = 16, max_cache_tokens: int = 1 << 16,
-                 threads_per_rank: int = 1, record_logits: bool = False, trace: bool = False):
+                 threads_per_rank: int = 1, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False):
         if cp < 1:
             raise ValueError(f"cp: must be >= 1, got {cp}")
         if strategy not in STRATEGIES:
@@ -36,7 +36,7 @@ class CPPrefillEngine(Engine):
                                  (str(self.model_dir), dtype, strategy, layer_split, num_pages * page_size),
                                  threads_per_rank=threads_per_rank, name="prefill")
         self.group.ready()
-        super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits),
+        super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits, prefix_cache),
                          CPRunner(self.group, trace))
 
     def close(self) -> None:

@@ -19,12 +19,12 @@ from engine.scheduler import Engine, Scheduler, Sequence, validate_prompt  # noq
 
 class ReferenceEngine(Engine):
     def __init__(self, model: str = "tiny", dtype: str = "fp32", chunk_size: int = 4096, page_size: int = 16,
-                 max_cache_tokens: int = 1 << 17, record_logits: bool = False, trace: bool = False):
+                 max_cache_tokens: int = 1 << 17, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False):
         self.model_dir = resolve_model_dir(model)
         self.lm = load_model(self.model_dir, dtype)
         self.cfg = self.lm.cfg
         self.tokenizer = load_tokenizer(self.model_dir)
         num_pages = pages_needed(max_cache_tokens, page_size, 1)
         self.pool = KVPool(self.cfg, num_pages * page_size, parse_dtype(dtype))
-        super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits),
+        super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits, prefix_cache),
                          LocalRunner(self.lm, self.pool, trace))

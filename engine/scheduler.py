@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cache.prefix import PrefixCache
 from engine.cache.slots import PageAllocator, pages_needed, token_slots
 from engine.model.config import ModelConfig
 from engine.model.sampler import InvalidRequest, SamplingParams, sample
@@ -31,6 +32,7 @@ class Sequence:
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose cache entries are written
+    num_cached: int = 0  # prompt tokens found in the prefix cache at admission
     pages: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
@@ -83,12 +85,13 @@ class Scheduler:
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, chunk_size: int, group_size: int = 1,
-                 record_logits: bool = False):
+                 record_logits: bool = False, prefix_cache: bool = False):
         if chunk_size < 1:
             raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
         self.cfg, self.page_size, self.chunk_size, self.group_size = cfg, page_size, chunk_size, group_size
         self.record_logits = record_logits
         self.allocator = PageAllocator(num_pages)
+        self.prefix = PrefixCache(self.allocator, page_size * group_size) if prefix_cache else None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.by_id: dict[int, Sequence] = {}
@@ -129,15 +132,27 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             need = self._pages_for(len(seq.prompt_ids) + seq.params.max_new_tokens)
-            if not self.allocator.can_allocate(need):
-                break
-            seq.pages = self.allocator.allocate(need)
+            if self.prefix is None:
+                if not self.allocator.can_allocate(need):
+                    break
+                seq.pages = self.allocator.allocate(need)
+            else:
+                shared = self.prefix.match(seq.prompt_ids)
+                fresh = self.prefix.allocate(need - len(shared))
+                if fresh is None:
+                    self.prefix.release(shared, seq.prompt_ids, prompt_done=False)
+                    break
+                seq.pages = shared + fresh
+                seq.num_computed = seq.num_cached = len(shared) * self.prefix.tokens_per_page
             self.running.append(self.waiting.pop(0))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         if seq.pages:
-            self.allocator.free(seq.pages)
+            if self.prefix is None:
+                self.allocator.free(seq.pages)
+            else:
+                self.prefix.release(seq.pages, seq.prompt_ids, prompt_done=not seq.is_prefilling)
             seq.pages = []
         if seq in self.running:
             self.running.remove(seq)
