@@ -17,7 +17,9 @@ from engine.model.tokenizer import load_tokenizer
 from engine.parallel.group import WorkerGroup
 from engine.plan import StepPlan
 from engine.runner import LocalRunner
+from engine.reservations import ReservationTable
 from engine.scheduler import Engine, Scheduler
+from kvtransfer.handoff import KvDestination, layout_fingerprint
 
 
 class DCPRunner:
@@ -50,7 +52,8 @@ class DCPDecodeEngine(Engine):
     def __init__(self, model: str = "tiny", dcp: int = 2, exchange: str = "a2a", indexer: str = "copied",
                  replicate_q_proj: bool = False, dtype: str = "fp32", page_size: int = 16,
                  max_cache_tokens: int = 1 << 16, chunk_size: int = 4096, threads_per_rank: int = 1,
-                 record_logits: bool = False, trace: bool = False, reference_prefill: bool = True):
+                 record_logits: bool = False, trace: bool = False, reference_prefill: bool = True,
+                 kv_transport: str | None = None, kv_host: str = "127.0.0.1", lease_s: float = 30.0):
         self.model_dir = resolve_model_dir(model)
         lm = load_model(self.model_dir, dtype) if reference_prefill else None
         from engine.model.config import ModelConfig
@@ -62,12 +65,38 @@ class DCPDecodeEngine(Engine):
         num_pages = pages_needed(max_cache_tokens, page_size, dcp)
         rows_per_rank = num_pages * page_size
         self.group = WorkerGroup(dcp, "engine.parallel.dcp:DecodeRank",
-                                 (str(self.model_dir), dtype, rows_per_rank, exchange, indexer, replicate_q_proj),
+                                 (str(self.model_dir), dtype, rows_per_rank, exchange, indexer, replicate_q_proj,
+                                  kv_transport, kv_host),
                                  threads_per_rank=threads_per_rank, name="decode")
         prefill = LocalRunner(lm, KVPool(self.cfg, rows_per_rank * dcp, parse_dtype(dtype))) if lm else None
         self.group.ready()
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, dcp, record_logits),
                          DCPRunner(self.group, prefill, trace))
+        self.dcp, self.dtype, self.index_mode, self.page_size = dcp, dtype, indexer, page_size
+        self.reservations = ReservationTable(self.scheduler, lease_s)
+        self.endpoints = tuple(self.group.call("endpoint")) if kv_transport else ()
+
+    # ---- the KV hand-off (decode side) ---------------------------------------------------
+    def reserve(self, num_tokens: int, max_new_tokens: int) -> KvDestination:
+        """Reserve rows for a prompt; the returned destination tells a prefill group where to write."""
+        if not self.endpoints:
+            raise ValueError("kv_transport: this decode engine was started without a KV transport")
+        r = self.reservations.reserve(num_tokens, max_new_tokens)
+        return KvDestination(r.id, self.dcp, self.page_size, self.index_mode, tuple(r.slots.tolist()), 0,
+                             self.endpoints, layout_fingerprint(self.cfg, self.dtype), r.expires_at)
+
+    def begin_write(self, reservation_id: str) -> None:
+        self.reservations.begin_write(reservation_id)
+
+    def commit(self, reservation_id: str, prompt_ids: list[int], params, seed: int, first_token: int):
+        return self.reservations.commit(reservation_id, prompt_ids, params, seed, first_token)
+
+    def abort_reservation(self, reservation_id: str) -> bool:
+        return self.reservations.abort(reservation_id)
+
+    def step(self):
+        self.reservations.expire()
+        return super().step()
 
     def close(self) -> None:
         self.group.shutdown()

@@ -6,13 +6,20 @@ the same rows, so one numbering serves all) and sends each step plan to the grou
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Callable
+
 from engine.cache.slots import pages_needed
 from engine.model.config import ModelConfig
 from engine.model.tiny import resolve_model_dir
 from engine.model.tokenizer import load_tokenizer
 from engine.parallel.group import WorkerGroup
 from engine.parallel.prefill_cp import CPRunner
-from engine.scheduler import Engine, Scheduler
+from engine.model.sampler import SamplingParams
+from engine.scheduler import Engine, Scheduler, Sequence
+from kvtransfer.handoff import KvDestination, check_fingerprint, layout_fingerprint
+from kvtransfer.plan import plan_transfer, writes_by_rank
+from kvtransfer.transport import TransferError
 
 STRATEGIES = ("interleave", "zigzag")
 
@@ -20,7 +27,8 @@ STRATEGIES = ("interleave", "zigzag")
 class CPPrefillEngine(Engine):
     def __init__(self, model: str = "tiny", cp: int = 2, strategy: str = "interleave", layer_split: bool = False,
                  dtype: str = "fp32", chunk_size: int = 4096, page_size: int = 16, max_cache_tokens: int = 1 << 16,
-                 threads_per_rank: int = 1, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False):
+                 threads_per_rank: int = 1, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False,
+                 kv_transport: str | None = None, kv_host: str = "127.0.0.1"):
         if cp < 1:
             raise ValueError(f"cp: must be >= 1, got {cp}")
         if strategy not in STRATEGIES:
@@ -33,11 +41,48 @@ class CPPrefillEngine(Engine):
         self.cp, self.strategy, self.layer_split = cp, strategy, layer_split
         num_pages = pages_needed(max_cache_tokens, page_size, 1)
         self.group = WorkerGroup(cp, "engine.parallel.prefill_cp:PrefillRank",
-                                 (str(self.model_dir), dtype, strategy, layer_split, num_pages * page_size),
+                                 (str(self.model_dir), dtype, strategy, layer_split, num_pages * page_size,
+                                  kv_transport, kv_host),
                                  threads_per_rank=threads_per_rank, name="prefill")
         self.group.ready()
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits, prefix_cache),
                          CPRunner(self.group, trace))
+        self.dtype = dtype
+        self.fingerprint = layout_fingerprint(self.cfg, dtype)
+
+    # ---- the KV hand-off (prefill side) --------------------------------------------------
+    def prefill_to(self, prompt_ids: list[int], params: SamplingParams, dest: KvDestination,
+                   before_write: Callable[[], None] | None = None) -> Sequence:
+        """Prefill `prompt_ids`, sample its first token, and write every cache entry into the
+        decode rows that `dest` reserved. The layout is checked before any compute; a transfer
+        failure raises TransferError naming the peer; the prefill rows are released either way.
+        `before_write` (e.g. the decode service's BeginWrite) runs after compute, before the
+        first byte is sent, and may refuse."""
+        check_fingerprint(self.fingerprint, dest.fingerprint)
+        dest.validate_for(len(prompt_ids))
+        seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1))
+        seq.keep_pages = True
+        try:
+            while not seq.is_finished:
+                self.step()
+            if before_write is not None:
+                before_write()
+            n = len(prompt_ids)
+            writes = plan_transfer(
+                num_tokens=n, prefill_cp=self.cp, layer_split=self.layer_split, num_layers=self.cfg.num_layers,
+                indexer_layers=list(self.cfg.indexer_layer_ids), src_slots=self.scheduler.slots(seq, n).tolist(),
+                decode_dcp=dest.dcp, dst_slots=list(dest.slots[:n]), decode_index=dest.index_mode,
+                decode_prefix=dest.prefix)
+            results = self.group.call("push", writes_by_rank(writes), dest)
+            self.transfer_stats = results
+            for r in results:
+                if not r["ok"]:
+                    raise TransferError(r.get("peer") or "decode", r["error"])
+            return seq
+        finally:
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
+            self.scheduler.release(seq)
 
     def close(self) -> None:
         self.group.shutdown()

@@ -38,6 +38,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    keep_pages: bool = False  # finish() leaves the pages to the caller (prefill: until the KV is sent)
 
     @property
     def all_ids(self) -> list[int]:
@@ -118,6 +119,22 @@ class Scheduler:
         self.by_id[seq.id] = seq
         return seq
 
+    def adopt(self, prompt_ids: list[int], params: SamplingParams, seed: int, pages: list[int],
+              first_token: int) -> Sequence:
+        """A request whose prompt is already in the cache (KV sent by a prefill service) and whose
+        first token is sampled: it joins the running batch at its first decode step."""
+        stop = self.cfg.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
+        seq = Sequence(next(self._ids), list(prompt_ids), params, seed, frozenset(stop), output_ids=[first_token],
+                       num_computed=len(prompt_ids), pages=list(pages))
+        seq.token_times.append(time.perf_counter())
+        self.by_id[seq.id] = seq
+        self.running.append(seq)
+        if first_token in seq.stop_ids:
+            self.finish(seq, "stop")
+        elif params.max_new_tokens <= 1:
+            self.finish(seq, "length")
+        return seq
+
     def abort(self, seq: Sequence) -> None:
         if seq in self.waiting:
             self.waiting.remove(seq)
@@ -148,15 +165,20 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        if not seq.keep_pages:
+            self.release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.by_id.pop(seq.id, None)
+
+    def release(self, seq: Sequence) -> None:
+        """Return a request's pages (to the prefix cache where it keeps them)."""
         if seq.pages:
             if self.prefix is None:
                 self.allocator.free(seq.pages)
             else:
                 self.prefix.release(seq.pages, seq.prompt_ids, prompt_done=not seq.is_prefilling)
             seq.pages = []
-        if seq in self.running:
-            self.running.remove(seq)
-        self.by_id.pop(seq.id, None)
 
     def slots(self, seq: Sequence, n: int) -> torch.Tensor:
         return token_slots(seq.pages, n, self.page_size, self.group_size)
@@ -226,6 +248,22 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         return self.scheduler.add(prompt_ids, params)
+
+    def adopt(self, prompt_ids: list[int], params: SamplingParams, seed: int, pages: list[int],
+              first_token: int) -> Sequence:
+        """A request whose prompt is already in the cache (KV sent by a prefill service) and whose
+        first token is sampled: it joins the running batch at its first decode step."""
+        stop = self.cfg.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
+        seq = Sequence(next(self._ids), list(prompt_ids), params, seed, frozenset(stop), output_ids=[first_token],
+                       num_computed=len(prompt_ids), pages=list(pages))
+        seq.token_times.append(time.perf_counter())
+        self.by_id[seq.id] = seq
+        self.running.append(seq)
+        if first_token in seq.stop_ids:
+            self.finish(seq, "stop")
+        elif params.max_new_tokens <= 1:
+            self.finish(seq, "length")
+        return seq
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)

@@ -211,7 +211,7 @@ class Attention(nn.Module):
             q = self.q_b_proj(q_resid)
         else:
             q_resid, q = None, self.q_proj(x)
-        q = q.view(x.shape[0], -1, cfg.qk_head_dim)
+        q = q.view(x.shape[0], q.shape[-1] // cfg.qk_head_dim, cfg.qk_head_dim)
         q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
         return q_nope, apply_rope(q_rope, cos, sin, cfg.mla_rope_interleave), q_resid
 
@@ -242,7 +242,7 @@ class Attention(nn.Module):
             out, sel = self._decode(batch, q_nope, q_rope, iq, iw, prev_sel)
         else:
             out, sel = self._extend(batch, q_nope, q_rope, iq, iw, prev_sel)
-        return batch.all_reduce(self.o_proj(out.reshape(x.shape[0], -1))), sel
+        return batch.all_reduce(self.o_proj(out.flatten(1))), sel
 
     def _selection_mode(self) -> str:
         return {"full": "own", "shared": "reuse"}.get(self.indexer_type, "dense")

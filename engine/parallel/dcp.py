@@ -227,7 +227,8 @@ class DecodeRank:
     """Worker of one DCP decode rank (constructed in the rank process by WorkerGroup)."""
 
     def __init__(self, ctx, model_dir: str, dtype: str, num_rows: int, exchange: str = "a2a",
-                 indexer: str = "copied", replicate_q_proj: bool = False):
+                 indexer: str = "copied", replicate_q_proj: bool = False, kv_transport: str | None = None,
+                 kv_host: str = "127.0.0.1"):
         if exchange not in EXCHANGES:
             raise ValueError(f"dcp_comm: {exchange!r} is not one of {', '.join(EXCHANGES)}")
         if indexer not in INDEXERS:
@@ -244,6 +245,32 @@ class DecodeRank:
         self.index = {l: torch.zeros(index_rows, cfg.index_head_dim, dtype=self.dtype) for l in cfg.indexer_layer_ids}
         self.bytes_sent = {"q_all_gather": 0, "exchange": 0, "index_candidates": 0, "all_reduce": 0}
         self.trace: dict | None = None
+        self.transport = None
+        if kv_transport is not None:
+            from kvtransfer.transport import MooncakeTransport
+
+            self.transport = MooncakeTransport(kv_host, kv_transport)
+            self.transport.register(self.latent.data_ptr(), self.latent.numel() * self.latent.element_size())
+            for t in self.index.values():
+                self.transport.register(t.data_ptr(), t.numel() * t.element_size())
+
+    def endpoint(self):
+        """Where this rank's pools are, for a KvDestination (the prefill side writes there)."""
+        from kvtransfer.handoff import RankEndpoint
+
+        if self.transport is None:
+            raise ValueError("kv_transport: this decode group was started without a KV transport")
+        any_index = next(iter(self.index.values()), None)
+        return RankEndpoint(
+            session=self.transport.session_name, latent_ptr=self.latent.data_ptr(), rows=self.num_rows,
+            latent_row_bytes=self.cfg.latent_dim * self.latent.element_size(),
+            index_ptrs={l: t.data_ptr() for l, t in self.index.items()},
+            index_rows=any_index.shape[0] if any_index is not None else 0,
+            index_row_bytes=self.cfg.index_head_dim * self.latent.element_size())
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1:

@@ -128,7 +128,8 @@ class CPKV:
 class PrefillRank:
     """Worker of one prefill CP rank (constructed in the rank process by WorkerGroup)."""
 
-    def __init__(self, ctx, model_dir: str, dtype: str, strategy: str, layer_split: bool, num_rows: int):
+    def __init__(self, ctx, model_dir: str, dtype: str, strategy: str, layer_split: bool, num_rows: int,
+                 kv_transport: str | None = None, kv_host: str = "127.0.0.1"):
         if layer_split and strategy != "interleave":
             raise ValueError("layer_split: supported with the interleave strategy only")
         self.rank, self.world, self.group = ctx.rank, ctx.world_size, ctx.group
@@ -140,6 +141,22 @@ class PrefillRank:
         self.scratch = ScratchLayer(self.cfg, num_rows, self.dtype) if layer_split else None
         self.trace: dict | None = None
         self.gathered_bytes = 0
+        self.sender = None
+        if kv_transport is not None:
+            from kvtransfer.push import KVSender
+
+            self.sender = KVSender(kv_host, kv_transport)
+
+    def push(self, writes_by_rank: dict, dest) -> dict:
+        """Send this rank's writes of a transfer plan to the decode ranks (see kvtransfer/push.py)."""
+        mine = writes_by_rank.get(self.rank, [])
+        if self.sender is None:
+            raise ValueError("kv_transport: this prefill group was started without a KV transport")
+        return self.sender.push(mine, dest, self.pool.latent, self.pool.index)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
 
     def run(self, plan: StepPlan, trace: bool = False) -> tuple[dict[int, torch.Tensor], float]:
         """One extend forward over this rank's share of the plan's new tokens.

@@ -1,0 +1,98 @@
+"""The KV hand-off contract between a prefill group and a decode group.
+
+The decode side reserves rows and describes them in a :class:`KvDestination`: per decode rank
+its transfer-engine session and the addresses of its registered pools, the group slot of every
+token of the request, the index placement, and a fingerprint of the model and cache layout.
+The prefill side checks the fingerprint *before computing anything* — a mismatch is refused
+with the name of the differing field — then writes each (token, layer) entry straight into the
+reserved rows (engine/parallel/prefill_cp.py `push`, plan in kvtransfer/plan.py).
+
+Reservation ids are random 128-bit values (32 hex digits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from dataclasses import dataclass, field
+
+from engine.model.config import ModelConfig
+
+
+class LayoutMismatch(ValueError):
+    """Prefill and decode disagree on the model or cache layout; ``field`` names the difference."""
+
+    def __init__(self, field: str, prefill_value, decode_value):
+        super().__init__(f"KV layout mismatch on {field}: prefill has {prefill_value!r}, decode has {decode_value!r}")
+        self.field = field
+
+
+class ReservationError(ValueError):
+    """A reservation is unknown, expired or in the wrong state; the message says which."""
+
+
+def new_reservation_id() -> str:
+    return secrets.token_hex(16)
+
+
+def model_hash(cfg: ModelConfig) -> str:
+    fields = cfg.fingerprint_fields()
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def layout_fingerprint(cfg: ModelConfig, dtype: str) -> dict:
+    """What both sides must agree on to exchange cache rows byte for byte."""
+    return {
+        "model": model_hash(cfg),
+        "dtype": dtype,
+        "latent_dim": cfg.latent_dim,
+        "index_head_dim": cfg.index_head_dim,
+        "num_layers": cfg.num_layers,
+        "indexer_layers": list(cfg.indexer_layer_ids),
+    }
+
+
+def check_fingerprint(prefill: dict, decode: dict) -> None:
+    for key in prefill:
+        if prefill[key] != decode.get(key):
+            raise LayoutMismatch(key, prefill[key], decode.get(key))
+
+
+@dataclass(frozen=True)
+class RankEndpoint:
+    """One decode rank: where its pools are, as the transfer engine addresses them."""
+
+    session: str
+    latent_ptr: int  # pool [num_layers, rows, latent_dim], contiguous
+    rows: int
+    latent_row_bytes: int
+    index_ptrs: dict[int, int] = field(default_factory=dict)  # indexer layer → pool [index_rows, index_head_dim]
+    index_rows: int = 0
+    index_row_bytes: int = 0
+
+    def latent_addr(self, layer: int, row: int) -> int:
+        return self.latent_ptr + (layer * self.rows + row) * self.latent_row_bytes
+
+    def index_addr(self, layer: int, row: int) -> int:
+        return self.index_ptrs[layer] + row * self.index_row_bytes
+
+
+@dataclass(frozen=True)
+class KvDestination:
+    reservation_id: str
+    dcp: int
+    page_size: int
+    index_mode: str  # "copied" | "split"
+    slots: tuple[int, ...]  # decode group slot of tokens 0..N-1
+    prefix: int  # tokens already on decode (not sent)
+    ranks: tuple[RankEndpoint, ...]
+    fingerprint: dict
+    expires_at: float  # unix time: the reservation lapses unless a write has begun by then
+
+    def validate_for(self, num_tokens: int) -> None:
+        if len(self.ranks) != self.dcp:
+            raise LayoutMismatch("dcp", self.dcp, len(self.ranks))
+        if len(self.slots) < num_tokens:
+            raise ReservationError(f"reservation {self.reservation_id} holds {len(self.slots)} tokens; "
+                                   f"the prompt has {num_tokens}")

@@ -1,0 +1,146 @@
+"""KV hand-off from a real prefill CP group to a real DCP decode group through Mooncake (TCP on
+127.0.0.1), and its failure paths."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from engine.cache.slots import token_slots
+from engine.decode_engine import DCPDecodeEngine
+from engine.model.sampler import SamplingParams
+from engine.model.tiny import make_tiny
+from engine.prefill_engine import CPPrefillEngine
+from engine.reference import ReferenceEngine
+from kvtransfer.handoff import LayoutMismatch, ReservationError
+from kvtransfer.transport import TransferError
+
+PARAMS = SamplingParams(max_new_tokens=16, stop_token_ids=())
+LENGTHS = [45, 2, 70, 1]
+
+
+def prompts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def six_heads(tmp_path_factory):
+    return str(make_tiny(tmp_path_factory.mktemp("six") / "glm6", "glm_moe_dsa", num_attention_heads=6,
+                         num_key_value_heads=6))
+
+
+def hand_off(pre, dec, prompt, params=PARAMS):
+    dest = dec.reserve(len(prompt), params.max_new_tokens)
+    seq = pre.prefill_to(prompt, params, dest, before_write=lambda: dec.begin_write(dest.reservation_id))
+    return dest, dec.commit(dest.reservation_id, prompt, params, seq.seed, seq.output_ids[0])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model,layer_split,dcp,indexer", [
+    ("tiny", False, 1, "copied"), ("tiny", True, 2, "split"), ("six", False, 3, "copied"), ("six", True, 3, "split"),
+])
+def test_prefill_cp_hands_kv_to_decode_dcp(six_heads, model, layer_split, dcp, indexer):
+    model = six_heads if model == "six" else model
+    ref = ReferenceEngine(model, record_logits=True)
+    ps = prompts()
+    expected = [ref.generate([p], PARAMS)[0] for p in ps]
+    with CPPrefillEngine(model, cp=2, strategy="interleave", layer_split=layer_split, kv_transport="tcp") as pre, \
+         DCPDecodeEngine(model, dcp=dcp, indexer=indexer, kv_transport="tcp", reference_prefill=False) as dec:
+        handed = [hand_off(pre, dec, p) for p in ps]
+        # every decode rank holds, for the tokens it owns, the reference's cache entries
+        for (dest, seq), p in zip(handed, ps):
+            ref_seq = ref.add_request(p, SamplingParams(max_new_tokens=1, stop_token_ids=()))
+            ref.scheduler._admit()
+            ref_slots = token_slots(ref_seq.pages, len(p), ref.scheduler.page_size, 1)
+            while ref.has_work:
+                ref.step()
+            slots = torch.tensor(dest.slots)
+            for r in range(dcp):
+                got = dec.group.call_rank(r, "rows", slots)
+                owned = torch.arange(r, max(len(p), r), dcp)
+                want = torch.stack([ref.pool.latent(l)[ref_slots[owned]] for l in range(ref.cfg.num_layers)])
+                assert got["latent"].shape == want.shape
+                if owned.numel():
+                    assert float((got["latent"] - want).abs().max()) <= 1e-5 * float(want.abs().max())
+        assert pre.allocator.num_free == pre.allocator.num_pages
+        assert all(r["ok"] and r["bytes"] > 0 for r in pre.transfer_stats)  # every prefill rank sent
+        while dec.has_work:
+            dec.step()
+        for (_, seq), exp in zip(handed, expected):
+            assert seq.output_ids == exp.output_ids
+        assert dec.allocator.num_free == dec.allocator.num_pages
+
+
+@pytest.fixture(scope="module")
+def pair():
+    with CPPrefillEngine("tiny", cp=2, kv_transport="tcp") as pre, \
+         DCPDecodeEngine("tiny", dcp=2, kv_transport="tcp", reference_prefill=False, lease_s=0.5) as dec:
+        yield pre, dec
+
+
+def assert_all_free(pre, dec):
+    assert pre.allocator.num_free == pre.allocator.num_pages
+    dec.reservations.expire()
+    assert dec.allocator.num_free == dec.allocator.num_pages and not dec.reservations.active
+
+
+@pytest.mark.timeout(120)
+def test_fingerprint_mismatch_is_refused_before_compute(pair):
+    pre, dec = pair
+    dest = dec.reserve(10, 4)
+    bad = dataclasses.replace(dest, fingerprint={**dest.fingerprint, "dtype": "bf16"})
+    steps_before = pre.runner.rank_seconds[:]
+    t0 = time.monotonic()
+    with pytest.raises(LayoutMismatch, match="dtype"):
+        pre.prefill_to(prompts()[0][:10], PARAMS, bad)
+    assert time.monotonic() - t0 < 5 and pre.runner.rank_seconds == steps_before
+    assert dec.abort_reservation(dest.reservation_id)
+    assert_all_free(pre, dec)
+
+
+@pytest.mark.timeout(120)
+def test_write_after_expiry_is_refused(pair):
+    pre, dec = pair
+    p = prompts()[0]
+    dest = dec.reserve(len(p), 4)
+    time.sleep(0.8)
+    t0 = time.monotonic()
+    with pytest.raises(ReservationError, match="unknown or expired"):
+        pre.prefill_to(p, PARAMS, dest, before_write=lambda: dec.begin_write(dest.reservation_id))
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(ReservationError):
+        dec.commit(dest.reservation_id, p, PARAMS, 0, 5)
+    assert_all_free(pre, dec)
+
+
+@pytest.mark.timeout(120)
+def test_transfer_error_mid_request_frees_everything(pair):
+    pre, dec = pair
+    p = prompts()[2]
+    dest = dec.reserve(len(p), 4)
+    bogus = dataclasses.replace(dest.ranks[1], latent_ptr=dest.ranks[1].latent_ptr + (1 << 40))
+    bad = dataclasses.replace(dest, ranks=(dest.ranks[0], bogus))
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as e:
+        pre.prefill_to(p, PARAMS, bad, before_write=lambda: dec.begin_write(dest.reservation_id))
+    assert time.monotonic() - t0 < 5 and bogus.session in str(e.value)
+    assert dec.abort_reservation(dest.reservation_id)
+    assert_all_free(pre, dec)
+
+
+@pytest.mark.timeout(180)
+def test_decode_peer_gone_before_the_write():
+    with CPPrefillEngine("tiny", cp=2, kv_transport="tcp") as pre:
+        dec = DCPDecodeEngine("tiny", dcp=2, kv_transport="tcp", reference_prefill=False)
+        p = prompts()[0]
+        dest = dec.reserve(len(p), 4)
+        dec.close()
+        t0 = time.monotonic()
+        with pytest.raises(TransferError):
+            pre.prefill_to(p, PARAMS, dest)
+        assert time.monotonic() - t0 < 5
+        assert pre.allocator.num_free == pre.allocator.num_pages
