@@ -98,11 +98,3 @@ class DCPDecodeEngine(Engine):
         self.reservations.expire()
         return super().step()
 
-    def close(self) -> None:
-        self.group.shutdown()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

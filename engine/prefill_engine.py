@@ -84,11 +84,3 @@ class CPPrefillEngine(Engine):
                 self.scheduler.abort(seq)
             self.scheduler.release(seq)
 
-    def close(self) -> None:
-        self.group.shutdown()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

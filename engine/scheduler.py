@@ -112,9 +112,8 @@ class Scheduler:
         if self._pages_for(total) > self.allocator.num_pages:
             raise InvalidRequest("prompt", f"prompt plus max_new_tokens is {total} tokens; the cache holds "
                                            f"{self.capacity_tokens}")
-        stop = self.cfg.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
-        seq = Sequence(next(self._ids), list(prompt_ids), params, seed, frozenset(stop))
+        seq = Sequence(next(self._ids), list(prompt_ids), params, seed, self._stop_ids(params))
         self.waiting.append(seq)
         self.by_id[seq.id] = seq
         return seq
@@ -123,16 +122,11 @@ class Scheduler:
               first_token: int) -> Sequence:
         """A request whose prompt is already in the cache (KV sent by a prefill service) and whose
         first token is sampled: it joins the running batch at its first decode step."""
-        stop = self.cfg.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
-        seq = Sequence(next(self._ids), list(prompt_ids), params, seed, frozenset(stop), output_ids=[first_token],
+        seq = Sequence(next(self._ids), list(prompt_ids), params, seed, self._stop_ids(params),
                        num_computed=len(prompt_ids), pages=list(pages))
-        seq.token_times.append(time.perf_counter())
         self.by_id[seq.id] = seq
         self.running.append(seq)
-        if first_token in seq.stop_ids:
-            self.finish(seq, "stop")
-        elif params.max_new_tokens <= 1:
-            self.finish(seq, "length")
+        self._append(seq, first_token)
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -222,18 +216,26 @@ class Scheduler:
             if self.record_logits:
                 seq.logits.append(row.clone())
             token = sample(row, seq.params, seq.seed, len(seq.output_ids))
-            seq.output_ids.append(token)
-            seq.token_times.append(time.perf_counter())
-            if token in seq.stop_ids:
-                self.finish(seq, "stop")
-            elif len(seq.output_ids) >= seq.params.max_new_tokens:
-                self.finish(seq, "length")
+            self._append(seq, token)
             events.append((seq, token))
         return events
 
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        return frozenset(self.cfg.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.output_ids.append(token)
+        seq.token_times.append(time.perf_counter())
+        if token in seq.stop_ids:
+            self.finish(seq, "stop")
+        elif len(seq.output_ids) >= seq.params.max_new_tokens:
+            self.finish(seq, "length")
+
 
 class Engine:
-    """A scheduler driving a runner (`runner.run(plan) -> {req_id: logits}`)."""
+    """A scheduler driving a runner (`runner.run(plan) -> {req_id: logits}`).
+
+    Engines on a worker group (``self.group``) close it on ``close()`` / leaving a ``with``."""
 
     def __init__(self, scheduler: Scheduler, runner):
         self.scheduler, self.runner = scheduler, runner
@@ -248,22 +250,6 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         return self.scheduler.add(prompt_ids, params)
-
-    def adopt(self, prompt_ids: list[int], params: SamplingParams, seed: int, pages: list[int],
-              first_token: int) -> Sequence:
-        """A request whose prompt is already in the cache (KV sent by a prefill service) and whose
-        first token is sampled: it joins the running batch at its first decode step."""
-        stop = self.cfg.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
-        seq = Sequence(next(self._ids), list(prompt_ids), params, seed, frozenset(stop), output_ids=[first_token],
-                       num_computed=len(prompt_ids), pages=list(pages))
-        seq.token_times.append(time.perf_counter())
-        self.by_id[seq.id] = seq
-        self.running.append(seq)
-        if first_token in seq.stop_ids:
-            self.finish(seq, "stop")
-        elif params.max_new_tokens <= 1:
-            self.finish(seq, "length")
-        return seq
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
@@ -281,3 +267,14 @@ class Engine:
         while self.has_work:
             self.step()
         return seqs
+
+    def close(self) -> None:
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -105,7 +105,8 @@ def plan_transfer(
     _check_count("num_tokens", num_tokens)
     _check_count("num_layers", num_layers)
     if not 0 <= decode_prefix <= num_tokens:
-        raise ValueError(f"decode_prefix must be in [0, num_tokens={num_tokens}], got {decode_prefix}")
+        raise ValueError(
+            f"decode_prefix must be in [0, num_tokens={num_tokens}], got {decode_prefix}")
     if decode_index not in DECODE_INDEX_MODES:
         raise ValueError(f"decode_index must be one of {DECODE_INDEX_MODES}, got {decode_index!r}")
     indexer = _indexer_set(indexer_layers, num_layers)
@@ -131,7 +132,8 @@ def plan_transfer(
             index_runs = latent_runs
         else:
             every_rank = _runs(piece_src, torch.zeros_like(piece_dst), piece_dst)
-            index_runs = [(d, start, rows) for d in range(decode_dcp) for _, start, rows in every_rank]
+            index_runs = [(d, row, src_rows)
+                          for d in range(decode_dcp) for _, row, src_rows in every_rank]
         writes += _writes(rank, index_layers, index_runs, "index")
     return writes
 
@@ -212,7 +214,8 @@ def _indexer_set(indexer_layers: Sequence[int], num_layers: int) -> set[int]:
 def _slots(name: str, slots: Sequence[int] | torch.Tensor, num_tokens: int) -> torch.Tensor:
     tensor = torch.as_tensor(slots, dtype=torch.long).reshape(-1)
     if tensor.numel() != num_tokens:
-        raise ValueError(f"{name} must hold one slot per token ({num_tokens}), got {tensor.numel()}")
+        raise ValueError(
+            f"{name} must hold one slot per token ({num_tokens}), got {tensor.numel()}")
     if tensor.numel() and int(tensor.min()) < 0:
         raise ValueError(f"{name} must be >= 0, got {int(tensor.min())}")
     return tensor

@@ -38,8 +38,8 @@ class KVSender:
         try:
             total = 0
             for w in writes:
-                width = latent_of(w.layers.start).shape[1] if w.kind == "latent" else index_of(w.layers.start).shape[1]
-                total += len(w.layers) * w.num_rows * width * 4
+                pool = latent_of(w.layers.start) if w.kind == "latent" else index_of(w.layers.start)
+                total += len(w.layers) * w.num_rows * pool.shape[1] * pool.element_size()
             staging = self._staging(total)
             per_peer: dict[str, tuple[list, list, list]] = {}
             offset = 0

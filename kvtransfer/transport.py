@@ -84,6 +84,9 @@ _INSTALL_HINT = (
 )
 
 
+MAX_RANGES_PER_BATCH = 1024
+
+
 class KVTransferError(Exception):
     """Base of every error raised by the KV-transfer layer."""
 
@@ -241,14 +244,18 @@ class MooncakeTransport(KVTransport):
                         peer_session,
                         f"source range [{src:#x}, +{length}) is not inside memory registered "
                         f"with this engine ({self._session})")
-        rc = self._open_engine().batch_transfer_sync_write(
-            peer_session, src_ptrs, dst_ptrs, lengths)
-        if rc < 0:
-            raise TransferError(
-                peer_session,
-                f"write of {len(lengths)} range(s), {sum(lengths)} bytes, returned {rc}: the "
-                "peer is unreachable, gone or not responding, or a destination range lies "
-                "outside its registered memory (Mooncake's log names which)")
+        engine = self._open_engine()
+        # Mooncake's TCP transport refuses (rc -1) batches over ~2048 ranges to one peer
+        # (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER), so long batches go in slices.
+        for i in range(0, len(lengths), MAX_RANGES_PER_BATCH):
+            part = slice(i, i + MAX_RANGES_PER_BATCH)
+            rc = engine.batch_transfer_sync_write(peer_session, src_ptrs[part], dst_ptrs[part], lengths[part])
+            if rc < 0:
+                raise TransferError(
+                    peer_session,
+                    f"write of {len(lengths[part])} range(s), {sum(lengths[part])} bytes, returned {rc}: the "
+                    "peer is unreachable, gone or not responding, or a destination range lies "
+                    "outside its registered memory (Mooncake's log names which)")
 
     def close(self) -> None:
         with self._lock:

@@ -328,3 +328,9 @@ def test_staging_buffer_registers_packs_and_unregisters():
             buffer.pack(48, rows)
     assert t.regions == {}
     buffer.close()  # idempotent
+
+
+def test_long_batches_are_sliced_under_mooncakes_per_peer_limit():
+    from kvtransfer import transport as t
+
+    assert t.MAX_RANGES_PER_BATCH <= 2048
