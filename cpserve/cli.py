@@ -211,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     build_parser_layout(sub)
     build_parser_plan(sub)
+
+    from services.cli import build_parser_serve
+
+    build_parser_serve(sub)
     return parser
 
 

@@ -1,0 +1,112 @@
+"""Service configuration: one frozen pydantic model per service, from YAML plus CLI overrides.
+
+A YAML file may hold several sections (``prefill:``, ``decode:``, ``router:``); each service
+reads its own. Every parallel degree (``cp``, ``dcp``) is a plain factor of that service's rank
+count; no option changes another's meaning. Servers bind 127.0.0.1 unless ``host`` says
+otherwise; ``port: 0`` picks a free port (the server reports the one it bound).
+
+Errors are :class:`ConfigError` (a ``ValueError``) whose message names the field, e.g.
+``decode.dcp: Input should be greater than or equal to 1``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message starts with ``section.field``."""
+
+
+class _ServiceConfig(BaseModel):
+    """Fields every engine-backed service has."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = "tiny"
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    page_size: int = Field(16, ge=1)
+    max_cache_tokens: int = Field(1 << 16, ge=1)
+    threads_per_rank: int = Field(1, ge=1)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)  # 0: pick a free port
+    kv_protocol: Literal["tcp", "rdma"] = "tcp"
+    kv_host: str = "127.0.0.1"  # address the KV transfer engine listens on
+    max_queue: int = Field(64, ge=1)  # requests waiting for the engine; more → RESOURCE_EXHAUSTED
+
+
+class PrefillConfig(_ServiceConfig):
+    cp: int = Field(2, ge=1)
+    strategy: Literal["interleave", "zigzag"] = "interleave"
+    layer_split: bool = False
+    chunk_size: int = Field(4096, ge=1)
+
+    @property
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Arguments of engine.prefill_engine.CPPrefillEngine."""
+        return dict(model=self.model, cp=self.cp, strategy=self.strategy, layer_split=self.layer_split,
+                    dtype=self.dtype, chunk_size=self.chunk_size, page_size=self.page_size,
+                    max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.threads_per_rank,
+                    kv_transport=self.kv_protocol, kv_host=self.kv_host)
+
+
+class DecodeConfig(_ServiceConfig):
+    dcp: int = Field(2, ge=1)
+    dcp_comm: Literal["a2a", "ag_rs"] = "a2a"
+    indexer: Literal["copied", "split"] = "copied"
+    replicate_q_proj: bool = False
+    lease_s: float = Field(30.0, gt=0)  # a reservation lapses unless BeginWrite comes within this
+
+    @property
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Arguments of engine.decode_engine.DCPDecodeEngine (prompts arrive as KV only)."""
+        return dict(model=self.model, dcp=self.dcp, exchange=self.dcp_comm, indexer=self.indexer,
+                    replicate_q_proj=self.replicate_q_proj, dtype=self.dtype, page_size=self.page_size,
+                    max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.threads_per_rank,
+                    reference_prefill=False, kv_transport=self.kv_protocol, kv_host=self.kv_host,
+                    lease_s=self.lease_s)
+
+
+SECTIONS: dict[str, type[_ServiceConfig]] = {"prefill": PrefillConfig, "decode": DecodeConfig}
+C = TypeVar("C", bound=_ServiceConfig)
+
+
+def _describe(section: str, err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(x) for x in e["loc"])
+        parts.append(f"{section}.{where}: {e['msg']}" if where else f"{section}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def build_config(cls: type[C], section: str, values: dict[str, Any]) -> C:
+    try:
+        return cls.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(_describe(section, e)) from None
+
+
+def load_config(section: str, path: str | Path | None = None, overrides: dict[str, Any] | None = None):
+    """The ``section`` ("prefill" | "decode") config: the YAML file's section (if a file is
+    given), then ``overrides`` (entries whose value is None are ignored, so argparse defaults
+    of None mean "not given")."""
+    if section not in SECTIONS:
+        raise ConfigError(f"section: {section!r} is not one of {', '.join(SECTIONS)}")
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            doc = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"config: cannot read {path}: {e}") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"config: {path} must hold a mapping of sections (prefill:, decode:, router:)")
+        body = doc.get(section) or {}
+        if not isinstance(body, dict):
+            raise ConfigError(f"{section}: must be a mapping, got {type(body).__name__}")
+        values.update(body)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return build_config(SECTIONS[section], section, values)

@@ -1,0 +1,177 @@
+"""The one thread that owns an engine.
+
+Engines are not thread-safe, so each service runs exactly one :class:`EngineLoop`; gRPC handler
+threads never touch the engine, they hand it commands (``fn(engine)``) and wait on futures.
+
+Synchronisation rule: everything that reads or writes the engine — and any state the service
+keeps beside it (the decode service's open streams) — runs on the loop thread. Handlers see
+only futures, per-request queues and :attr:`snapshot` (replaced whole, never mutated).
+
+Between commands the loop calls ``tick(engine)`` while ``has_work(engine)`` is true (the decode
+service's step + deliver). When idle it checks every ``idle_s`` that the rank group is alive
+and calls ``idle(engine)`` (e.g. expire reservations).
+
+Failure: a ``GroupError`` from a command or a tick means the rank group is dead. The loop then
+fails every queued command with ``ServiceUnavailable``, calls ``on_failure(message)`` once (health
+→ NOT_SERVING, open streams end), and refuses every later call.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from engine.parallel.group import GroupError
+from services.common.rpc import QueueFull, ServiceUnavailable
+
+logger = logging.getLogger("cpserve.services")
+
+Command = Callable[[Any], Any]
+
+
+class EngineLoop:
+    def __init__(self, engine, name: str, max_queue: int, *, on_failure: Callable[[str], None],
+                 has_work: Callable[[Any], bool] = lambda e: False, tick: Callable[[Any], None] = lambda e: None,
+                 idle: Callable[[Any], None] = lambda e: None, snapshot: Callable[[Any], Any] = lambda e: None,
+                 idle_s: float = 0.25):
+        self.engine, self.name, self.max_queue = engine, name, max_queue
+        self._on_failure, self._has_work, self._tick, self._idle = on_failure, has_work, tick, idle
+        self._make_snapshot, self._idle_s = snapshot, idle_s
+        self._commands: queue.Queue[tuple[Command, Future | None, bool] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._queued_admissions = 0
+        self.failure: str | None = None
+        self._stopping = False
+        self._closed = False  # set (under _lock) when the thread ends; nothing queued after is run
+        self.snapshot = snapshot(engine)
+        self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
+        self._thread.start()
+
+    # ---- handler side ---------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        """Admitted commands (new work) waiting for the engine."""
+        return self._queued_admissions
+
+    def submit(self, fn: Command, admit: bool = False) -> Future:
+        """Queue ``fn(engine)``; its result or exception arrives on the future. ``admit`` marks new
+        work, which the bound (``max_queue``) applies to; control commands are never refused."""
+        fut: Future = Future()
+        with self._lock:
+            self._check_usable()
+            if admit:
+                if self._queued_admissions >= self.max_queue:
+                    raise QueueFull(f"{self.name}: {self._queued_admissions} requests queued (max_queue "
+                                    f"{self.max_queue}); retry later")
+                self._queued_admissions += 1
+            self._commands.put((fn, fut, admit))
+        return fut
+
+    def call(self, fn: Command, admit: bool = False, timeout_s: float | None = None) -> Any:
+        return self.submit(fn, admit).result(timeout_s)
+
+    def post(self, fn: Command) -> None:
+        """Fire and forget (e.g. abort a cancelled stream); dropped when the loop is not running."""
+        with self._lock:
+            if not self._closed and not self._stopping:
+                self._commands.put((fn, None, False))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Finish the command in flight, fail the queued ones, stop the thread. Idempotent."""
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout_s)
+
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            raise ServiceUnavailable(f"{self.name} service is not serving: {self.failure}")
+        if self._stopping or self._closed:
+            raise ServiceUnavailable(f"{self.name} service is stopping")
+
+    # ---- loop thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                busy = self._has_work(self.engine)
+                self._run_commands(block=not busy)
+                if self._stopping:
+                    break
+                if self._has_work(self.engine):
+                    self._tick(self.engine)
+                self.snapshot = self._make_snapshot(self.engine)
+        except GroupError as e:
+            self._fail(str(e).splitlines()[0])
+        except BaseException as e:  # the engine's state is unknown now: stop serving
+            logger.exception("%s engine loop failed", self.name)
+            self._fail(f"engine error: {type(e).__name__}: {e}")
+        finally:
+            with self._lock:
+                self._closed = True
+            self._drain(self.failure or f"{self.name} service is stopping")
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=self._idle_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            if block:
+                self._check_alive()
+                self._idle(self.engine)
+            return
+        while item is not None:
+            self._execute(*item)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, fn: Command, fut: Future | None, admit: bool) -> None:
+        if admit:
+            with self._lock:
+                self._queued_admissions -= 1
+        if fut is not None and not fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(self.engine)
+        except GroupError as e:
+            if fut is not None:
+                fut.set_exception(e)
+            raise
+        except BaseException as e:
+            if fut is None:
+                logger.exception("%s: command failed", self.name)
+            else:
+                fut.set_exception(e)
+            return
+        if fut is not None:
+            fut.set_result(result)
+
+    def _check_alive(self) -> None:
+        group = getattr(self.engine, "group", None)
+        if group is not None and not self._stopping and not group.alive:
+            group.call("memory")  # raises GroupError naming the dead rank
+
+    def _fail(self, message: str) -> None:
+        self.failure = message
+        logger.error("%s service stops serving: %s", self.name, message)
+        try:
+            self._on_failure(message)
+        except Exception:
+            logger.exception("%s: on_failure hook failed", self.name)
+
+    def _drain(self, message: str) -> None:
+        """Fail everything still queued; later submits are refused by _check_usable."""
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                fn, fut, admit = item
+                if admit:
+                    with self._lock:
+                        self._queued_admissions -= 1
+                if fut is not None and fut.set_running_or_notify_cancel():
+                    fut.set_exception(ServiceUnavailable(message))

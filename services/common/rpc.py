@@ -1,0 +1,110 @@
+"""gRPC helpers shared by the services: server start-up with the standard health service, and
+the one mapping from engine errors to gRPC status codes.
+
+Error mapping (never a stack trace to the client; unexpected errors are logged here and answer
+INTERNAL):
+
+=========================================  =====================================================
+InvalidRequest, LayoutMismatch, ConfigError  INVALID_ARGUMENT (the message names the field)
+ReservationError "capacity: ..."             RESOURCE_EXHAUSTED (no free rows now; retry)
+ReservationError "num_tokens:/prompt: ..."   INVALID_ARGUMENT (never fits the cache / wrong length)
+ReservationError (others)                    FAILED_PRECONDITION (unknown/expired/used reservation)
+QueueFull                                    RESOURCE_EXHAUSTED
+TransferError                                UNAVAILABLE (the message names the peer)
+GroupError, ServiceUnavailable               UNAVAILABLE (the health service says NOT_SERVING)
+=========================================  =====================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from typing import Callable, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from engine.model.sampler import InvalidRequest
+from engine.parallel.group import GroupError
+from kvtransfer.handoff import LayoutMismatch, ReservationError
+from kvtransfer.transport import TransferError
+
+logger = logging.getLogger("cpserve.services")
+
+
+# Service-to-service channels go straight to the address they are given, never via an HTTP proxy
+# from the environment.
+CHANNEL_OPTIONS = (("grpc.enable_http_proxy", 0),)
+
+
+class QueueFull(RuntimeError):
+    """The service's bounded request queue is full."""
+
+
+class ServiceUnavailable(RuntimeError):
+    """The service cannot take work: its rank group failed, or it is stopping."""
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    msg = str(exc)
+    if isinstance(exc, LayoutMismatch):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"destination.fingerprint.{exc.field}: {msg}"
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, msg
+    if isinstance(exc, ReservationError):
+        if msg.startswith("capacity"):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, msg
+        if msg.startswith(("num_tokens:", "prompt:")):
+            return grpc.StatusCode.INVALID_ARGUMENT, msg
+        return grpc.StatusCode.FAILED_PRECONDITION, msg
+    if isinstance(exc, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, msg
+    if isinstance(exc, TransferError):
+        return grpc.StatusCode.UNAVAILABLE, msg
+    if isinstance(exc, (GroupError, ServiceUnavailable)):
+        return grpc.StatusCode.UNAVAILABLE, msg.splitlines()[0]  # a rank's traceback stays in the log
+    logger.error("unexpected error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__} (details in the service log)"
+
+
+def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    code, msg = status_of(exc)
+    context.abort(code, msg)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class Health:
+    """The standard grpc.health.v1 service; ``""`` (the whole server) plus each named service."""
+
+    def __init__(self, service_names: list[str]):
+        self.servicer = health.HealthServicer()
+        self.names = ["", *service_names]
+        self.set_serving(False)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.names:
+            self.servicer.set(name, status)
+
+
+def address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def start_server(add_servicers: Callable[[grpc.Server], None], service_names: list[str], host: str, port: int,
+                 max_workers: int) -> tuple[grpc.Server, int, Health]:
+    """Bind ``host:port`` (port 0: a free one), start, and return (server, bound port, health).
+
+    Health starts NOT_SERVING; the caller flips it once its engine is ready."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"))
+    add_servicers(server)
+    h = Health(service_names)
+    health_pb2_grpc.add_HealthServicer_to_server(h.servicer, server)
+    try:
+        bound = server.add_insecure_port(address(host, port))
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"port: cannot bind {address(host, port)}")
+    server.start()
+    return server, bound, h

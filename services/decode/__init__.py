@@ -1,0 +1,1 @@
+"""The decode gRPC service (services/decode/server.py)."""

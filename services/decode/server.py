@@ -1,0 +1,221 @@
+"""The decode gRPC service: a DCPDecodeEngine behind `cpserve.decode.Decode` (protos/decode.proto).
+
+One request: ``Reserve`` (rows on every decode rank, token p → rank p mod dcp) → the prefill
+service calls ``BeginWrite`` and writes the rows → ``Generate`` commits the reservation and
+streams tokens from the second on. Continuous batching comes from the engine's scheduler: the
+loop thread (services/common/engine_loop.py) applies queued commands between any two steps, so
+requests join and leave the running batch every step.
+
+Streams: the loop thread owns ``_streams`` (sequence id → the request's event queue). Each step's
+(sequence, token) pairs go to their queues; a finished sequence gets ``Done`` and leaves the
+table. A client that goes away (gRPC callback on RPC end) posts an abort: the sequence is
+finished as "abort" and its rows are freed on every rank. If the rank group fails, every open
+stream receives an ``Error`` event, later calls get UNAVAILABLE and health says NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from engine.decode_engine import DCPDecodeEngine
+from engine.model.sampler import InvalidRequest
+from engine.scheduler import Sequence, validate_prompt
+from services.common import rpc
+from services.common.config import DecodeConfig
+from services.common.convert import destination_to_proto, finish_reason_to_proto, sampling_from_proto
+from services.common.engine_loop import EngineLoop
+from services.protos import decode_pb2, decode_pb2_grpc
+
+logger = logging.getLogger("cpserve.services")
+
+SERVICE_NAME = "cpserve.decode.Decode"
+MAX_WORKERS = 256  # each open Generate stream holds one handler thread
+POLL_S = 0.5  # how often a waiting stream handler checks that its client is still there
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    rows_used: int  # per rank: a page spans page_size rows on every rank
+    rows_free: int
+    running: int
+    reservations: int
+
+
+def _snapshot(engine: DCPDecodeEngine) -> _Snapshot:
+    alloc, page = engine.allocator, engine.page_size
+    return _Snapshot((alloc.num_pages - alloc.num_free) * page, alloc.num_free * page,
+                     len(engine.scheduler.running) + len(engine.scheduler.waiting), len(engine.reservations.active))
+
+
+def _token(token: int, index: int) -> decode_pb2.GenerateEvent:
+    return decode_pb2.GenerateEvent(token=decode_pb2.GenerateEvent.Token(id=token, index=index))
+
+
+def _done(seq: Sequence) -> decode_pb2.GenerateEvent:
+    return decode_pb2.GenerateEvent(done=decode_pb2.GenerateEvent.Done(
+        finish_reason=finish_reason_to_proto(seq.finish_reason), num_tokens=len(seq.output_ids)))
+
+
+def _error(code: int, message: str) -> decode_pb2.GenerateEvent:
+    return decode_pb2.GenerateEvent(error=decode_pb2.GenerateEvent.Error(code=code, message=message))
+
+
+class DecodeService(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, engine: DCPDecodeEngine, config: DecodeConfig, on_failure: Callable[[str], None]):
+        self.engine, self.config = engine, config
+        self.address = ""  # host:port, set once bound; goes into every KvDestination
+        self.cfg = engine.cfg  # immutable: handlers validate against it without the loop
+        self._streams: dict[int, tuple[Sequence, queue.SimpleQueue]] = {}  # loop thread only
+        self._on_failure = on_failure
+        self.loop = EngineLoop(engine, "decode", config.max_queue, on_failure=self._failed,
+                               has_work=lambda e: e.has_work, tick=self._step,
+                               idle=lambda e: e.reservations.expire(), snapshot=_snapshot)
+
+    # ---- loop thread ------------------------------------------------------------------------
+    def _step(self, engine: DCPDecodeEngine) -> None:
+        for seq, token in engine.step():
+            entry = self._streams.get(seq.id)
+            if entry is None:
+                continue
+            entry[1].put(_token(token, len(seq.output_ids) - 1))
+            if seq.is_finished:
+                del self._streams[seq.id]
+                entry[1].put(_done(seq))
+
+    def _commit(self, engine: DCPDecodeEngine, req: decode_pb2.GenerateRequest, params, events) -> int:
+        seq = engine.commit(req.reservation_id, list(req.prompt_ids), params, req.seed, req.first_token)
+        if seq.is_finished:  # the first token (from prefill) already ended it
+            events.put(_done(seq))
+        else:
+            self._streams[seq.id] = (seq, events)
+        return seq.id
+
+    def _cancel(self, engine: DCPDecodeEngine, seq_id: int) -> None:
+        entry = self._streams.pop(seq_id, None)
+        if entry is not None and not entry[0].is_finished:
+            engine.abort(entry[0])
+            logger.info("decode: client went away; aborted sequence %d, rows freed", seq_id)
+
+    def _failed(self, message: str) -> None:
+        self._on_failure(message)
+        self._end_streams(decode_pb2.ERROR_CODE_UNAVAILABLE, message)
+
+    def _end_streams(self, code: int, message: str) -> None:
+        streams, self._streams = self._streams, {}
+        for _, events in streams.values():
+            events.put(_error(code, message))
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self._end_streams(decode_pb2.ERROR_CODE_UNAVAILABLE, "decode service stopping")
+
+    # ---- handlers ---------------------------------------------------------------------------
+    def Reserve(self, request, context):
+        try:
+            if request.num_tokens < 1:
+                raise InvalidRequest("num_tokens", f"must be >= 1, got {request.num_tokens}")
+            if request.max_new_tokens < 1:
+                raise InvalidRequest("max_new_tokens", f"must be >= 1, got {request.max_new_tokens}")
+            total, limit = request.num_tokens + request.max_new_tokens, self.cfg.max_position_embeddings
+            if total > limit:
+                raise InvalidRequest("max_new_tokens", f"num_tokens plus max_new_tokens is {total}; the model "
+                                                       f"has {limit} positions")
+            dest = self.loop.call(lambda e: e.reserve(request.num_tokens, request.max_new_tokens), admit=True)
+        except Exception as e:
+            rpc.abort(context, e)
+        logger.debug("decode: reserved %s for request %r", dest.reservation_id, request.request_id)
+        return destination_to_proto(dest, self.address)
+
+    def BeginWrite(self, request, context):
+        try:
+            self.loop.call(lambda e: e.begin_write(request.reservation_id))
+        except Exception as e:
+            rpc.abort(context, e)
+        return decode_pb2.BeginWriteResponse()
+
+    def Abort(self, request, context):
+        try:
+            freed = self.loop.call(lambda e: e.abort_reservation(request.reservation_id))
+        except Exception as e:
+            rpc.abort(context, e)
+        return decode_pb2.AbortResponse(freed=freed)
+
+    def Generate(self, request, context):
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        try:
+            if not request.reservation_id:
+                raise InvalidRequest("reservation_id", "must not be empty")
+            params = sampling_from_proto(request.sampling, self.cfg.eos_token_ids)
+            validate_prompt(list(request.prompt_ids), params, self.cfg.vocab_size, self.cfg.max_position_embeddings)
+            if request.first_token >= self.cfg.vocab_size:
+                raise InvalidRequest("first_token", f"token id {request.first_token} is outside the vocabulary "
+                                                    f"[0, {self.cfg.vocab_size})")
+            seq_id = self.loop.call(lambda e: self._commit(e, request, params, events), admit=True)
+        except Exception as e:
+            rpc.abort(context, e)
+        if not context.add_callback(lambda: self.loop.post(lambda e: self._cancel(e, seq_id))):
+            self.loop.post(lambda e: self._cancel(e, seq_id))  # the RPC has already ended
+            return
+        while True:
+            try:
+                event = events.get(timeout=POLL_S)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            yield event
+            if event.WhichOneof("event") != "token":
+                return
+
+    def Status(self, request, context):
+        s = self.loop.snapshot
+        dcp = self.config.dcp
+        return decode_pb2.DecodeStatus(model=self.config.model, dcp=dcp, rows_used=[s.rows_used] * dcp,
+                                       rows_free=[s.rows_free] * dcp, running=s.running,
+                                       reservations=s.reservations, queue_depth=self.loop.queue_depth,
+                                       serving=self.loop.failure is None)
+
+
+def serve_decode(config: DecodeConfig, engine: DCPDecodeEngine | None = None):
+    """Start the decode service in this process; return ``(server, bound_port, shutdown)``.
+
+    Starts the DCP rank group (seconds), binds ``config.host:config.port`` (0: a free port),
+    and marks health SERVING. ``shutdown()`` is idempotent: health NOT_SERVING, open streams end
+    with an UNAVAILABLE error event, the server stops, the rank group exits. ``engine`` lets a
+    caller supply a ready engine (tests); it is closed by ``shutdown`` all the same."""
+    engine = engine or DCPDecodeEngine(**config.engine_kwargs)
+    health: list[rpc.Health] = []
+    try:
+        service = DecodeService(engine, config, on_failure=lambda msg: health and health[0].set_serving(False))
+        try:
+            server, port, h = rpc.start_server(lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(service, s),
+                                               [SERVICE_NAME], config.host, config.port, MAX_WORKERS)
+        except BaseException:
+            service.stop()
+            raise
+    except BaseException:
+        engine.close()
+        raise
+    health.append(h)
+    service.address = rpc.address(config.host, port)
+    h.set_serving(service.loop.failure is None)
+    logger.info("serving decode on %s (dcp=%d, %s, %s index, model %s)", service.address, config.dcp,
+                config.dcp_comm, config.indexer, config.model)
+    done = []
+
+    def shutdown(grace_s: float = 2.0) -> None:
+        if done:
+            return
+        done.append(True)
+        h.set_serving(False)
+        service.stop()
+        server.stop(grace_s).wait()
+        engine.close()
+        logger.info("decode service on %s stopped", service.address)
+
+    return server, port, shutdown

@@ -1,0 +1,1 @@
+"""The prefill gRPC service (services/prefill/server.py)."""

@@ -1,0 +1,160 @@
+"""The prefill gRPC service: a CPPrefillEngine behind `cpserve.prefill.Prefill` (protos/prefill.proto).
+
+``Prefill(prompt, sampling, destination)``: the handler checks the request and the destination's
+layout fingerprint (a mismatch is refused before the request is even queued), then queues it
+for the loop thread (services/common/engine_loop.py), which runs one prefill at a time:
+CP prefill → first token → ``BeginWrite`` on the decode service named in the destination (it
+may refuse: expired or unknown reservation) → every prefill rank writes its rows straight into
+the reserved decode rows. The answer carries the first token and the seed for
+``Decode.Generate``. The queue is bounded (``max_queue``): a full queue answers
+RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import grpc
+
+from engine.model.sampler import InvalidRequest
+from engine.prefill_engine import CPPrefillEngine
+from engine.scheduler import validate_prompt
+from kvtransfer.handoff import KvDestination, ReservationError, check_fingerprint
+from kvtransfer.transport import TransferError
+from services.common import rpc
+from services.common.config import PrefillConfig
+from services.common.convert import destination_from_proto, sampling_from_proto
+from services.common.engine_loop import EngineLoop
+from services.protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger("cpserve.services")
+
+SERVICE_NAME = "cpserve.prefill.Prefill"
+BEGIN_WRITE_TIMEOUT_S = 5.0
+# BeginWrite answers that mean "this reservation cannot be written" (→ FAILED_PRECONDITION to
+# our client); any other failure means the decode service is unreachable (→ UNAVAILABLE).
+_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+
+
+def _snapshot(engine: CPPrefillEngine) -> tuple[int, int]:
+    """(rows used, rows free); every CP rank keeps the same rows (layer split: for its layers)."""
+    alloc, page = engine.allocator, engine.scheduler.page_size
+    return (alloc.num_pages - alloc.num_free) * page, alloc.num_free * page
+
+
+class DecodePeers:
+    """gRPC channels to decode services, by address (loop thread only)."""
+
+    def __init__(self):
+        self.channels: dict[str, grpc.Channel] = {}
+
+    def begin_write(self, address: str, reservation_id: str) -> None:
+        channel = self.channels.get(address)
+        if channel is None:
+            channel = self.channels[address] = grpc.insecure_channel(address, options=rpc.CHANNEL_OPTIONS)
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        try:
+            stub.BeginWrite(decode_pb2.ReservationRef(reservation_id=reservation_id), timeout=BEGIN_WRITE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() in _REFUSALS:
+                raise ReservationError(f"BeginWrite refused by decode {address}: {e.details()}") from None
+            raise TransferError(address, f"BeginWrite: {e.code().name}: {e.details()}") from None
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+        self.channels.clear()
+
+
+class PrefillService(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, engine: CPPrefillEngine, config: PrefillConfig, on_failure: Callable[[str], None]):
+        self.engine, self.config = engine, config
+        self.cfg, self.fingerprint = engine.cfg, engine.fingerprint  # immutable: read by handlers
+        self.peers = DecodePeers()
+        self.loop = EngineLoop(engine, "prefill", config.max_queue, on_failure=on_failure, snapshot=_snapshot)
+
+    def _prefill(self, engine: CPPrefillEngine, prompt: list[int], params, dest: KvDestination, address: str,
+                 is_active: Callable[[], bool]) -> prefill_pb2.PrefillResponse:
+        if not is_active():
+            raise ReservationError("the client went away before its prefill started")
+        t0 = time.perf_counter()
+        marks: list[float] = []
+
+        def before_write() -> None:
+            marks.append(time.perf_counter())
+            self.peers.begin_write(address, dest.reservation_id)
+            marks.append(time.perf_counter())
+
+        seq = engine.prefill_to(prompt, params, dest, before_write=before_write)
+        stats = engine.transfer_stats
+        return prefill_pb2.PrefillResponse(
+            first_token=seq.output_ids[0], seed=seq.seed, prefill_ms=(marks[0] - t0) * 1e3,
+            transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=(time.perf_counter() - marks[1]) * 1e3)
+
+    def Prefill(self, request, context):
+        try:
+            prompt = list(request.prompt_ids)
+            params = sampling_from_proto(request.sampling, self.cfg.eos_token_ids)
+            validate_prompt(prompt, params, self.cfg.vocab_size, self.cfg.max_position_embeddings)
+            if not request.HasField("destination"):
+                raise InvalidRequest("destination", "is missing")
+            dest = destination_from_proto(request.destination)
+            check_fingerprint(self.fingerprint, dest.fingerprint)
+            dest.validate_for(len(prompt))
+            fut = self.loop.submit(lambda e: self._prefill(e, prompt, params, dest, request.destination.decode_address,
+                                                           context.is_active), admit=True)
+            response = fut.result()
+        except Exception as e:
+            rpc.abort(context, e)
+        logger.debug("prefill: request %r → first token %d", request.request_id, response.first_token)
+        return response
+
+    def Status(self, request, context):
+        used, free = self.loop.snapshot
+        return prefill_pb2.ServiceStatus(model=self.config.model, cp=self.config.cp, queue_depth=self.loop.queue_depth,
+                                         rows_used=used, rows_free=free, serving=self.loop.failure is None)
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.peers.close()
+
+
+def serve_prefill(config: PrefillConfig, engine: CPPrefillEngine | None = None):
+    """Start the prefill service in this process; return ``(server, bound_port, shutdown)``.
+
+    Starts the CP rank group (seconds), binds ``config.host:config.port`` (0: a free port), and
+    marks health SERVING. ``shutdown()`` is idempotent: health NOT_SERVING, queued requests fail
+    UNAVAILABLE, the server stops, the rank group exits."""
+    engine = engine or CPPrefillEngine(**config.engine_kwargs)
+    health: list[rpc.Health] = []
+    try:
+        service = PrefillService(engine, config, on_failure=lambda msg: health and health[0].set_serving(False))
+        try:
+            server, port, h = rpc.start_server(lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(service, s),
+                                               [SERVICE_NAME], config.host, config.port, config.max_queue + 16)
+        except BaseException:
+            service.stop()
+            raise
+    except BaseException:
+        engine.close()
+        raise
+    health.append(h)
+    address = rpc.address(config.host, port)
+    h.set_serving(service.loop.failure is None)
+    logger.info("serving prefill on %s (cp=%d, %s%s, model %s)", address, config.cp, config.strategy,
+                ", layer split" if config.layer_split else "", config.model)
+    done = []
+
+    def shutdown(grace_s: float = 2.0) -> None:
+        if done:
+            return
+        done.append(True)
+        h.set_serving(False)
+        service.stop()
+        server.stop(grace_s).wait()
+        engine.close()
+        logger.info("prefill service on %s stopped", address)
+
+    return server, port, shutdown

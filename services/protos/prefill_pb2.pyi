@@ -1,0 +1,51 @@
+from . import common_pb2 as _common_pb2
+from . import kv_pb2 as _kv_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "sampling", "destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.Sampling
+    destination: _kv_pb2.KvDestination
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., destination: _Optional[_Union[_kv_pb2.KvDestination, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "seed", "prefill_ms", "transfer_bytes", "transfer_ms")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    seed: int
+    prefill_ms: float
+    transfer_bytes: int
+    transfer_ms: float
+    def __init__(self, first_token: _Optional[int] = ..., seed: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+
+class ServiceStatus(_message.Message):
+    __slots__ = ("model", "cp", "queue_depth", "rows_used", "rows_free", "serving")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CP_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_USED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FREE_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    cp: int
+    queue_depth: int
+    rows_used: int
+    rows_free: int
+    serving: bool
+    def __init__(self, model: _Optional[str] = ..., cp: _Optional[int] = ..., queue_depth: _Optional[int] = ..., rows_used: _Optional[int] = ..., rows_free: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...

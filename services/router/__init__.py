@@ -1,0 +1,1 @@
+"""The router: HTTP (OpenAI-compatible) and gRPC fronts, pairing, health, retries."""

@@ -1,0 +1,240 @@
+"""How the router talks to one prefill or one decode service.
+
+Two small interfaces, one implementation each over grpc.aio (tests substitute in-process fakes):
+
+- :class:`PrefillClient` — ``prefill`` (prompt + an opaque KV destination → first token),
+  ``status``, ``check_health``;
+- :class:`DecodeClient` — ``reserve`` (→ :class:`Reservation`, whose ``destination`` the router
+  copies into the prefill call without opening it), ``generate`` (tokens from the second on),
+  ``abort``, ``status``, ``check_health``.
+
+Every failure is a :class:`BackendError` carrying a gRPC status code; the dispatcher decides
+what to retry.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+# Codes that say nothing about the pair: the same request fails the same way anywhere.
+_FINAL_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED,
+                          grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAUTHENTICATED,
+                          grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE})
+
+
+class BackendError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, service: str = ""):
+        super().__init__(f"{service}: {message}" if service else message)
+        self.code, self.message, self.service = code, message, service
+
+    @property
+    def retryable(self) -> bool:
+        """Worth trying on another pair (only ever before the first token)."""
+        return self.code not in _FINAL_CODES
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation as the backends see it: token ids in, token ids out."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: common_pb2.Sampling
+
+
+@dataclass(frozen=True)
+class Reservation:
+    id: str
+    destination: Any  # kv_pb2.KvDestination for gRPC; opaque to the router
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    token: int
+    seed: int
+    prefill_ms: float = 0.0
+    transfer_bytes: int = 0
+    transfer_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    index: int  # among generated tokens; the prefill's first is 0
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str  # "stop" | "length"
+    num_tokens: int  # generated in total, the first included
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    queue_depth: int
+    serving: bool = True
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    rows_used: tuple[int, ...]  # per rank
+    rows_free: tuple[int, ...]
+    queue_depth: int
+    serving: bool = True
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Token p uses one row on rank p mod C, so the cache holds the rows of all ranks."""
+        return sum(self.rows_used) + sum(self.rows_free)
+
+
+class PrefillClient(ABC):
+    address: str
+
+    @abstractmethod
+    async def prefill(self, job: Job, destination: Any, timeout: float) -> FirstToken: ...
+
+    @abstractmethod
+    async def status(self, timeout: float) -> PrefillLoad: ...
+
+    @abstractmethod
+    async def check_health(self, timeout: float) -> bool: ...
+
+    async def close(self) -> None:
+        pass
+
+
+class DecodeClient(ABC):
+    address: str
+
+    @abstractmethod
+    async def reserve(self, job: Job, timeout: float) -> Reservation: ...
+
+    @abstractmethod
+    def generate(self, job: Job, reservation: Reservation, first: FirstToken,
+                 timeout: float) -> AsyncIterator[Token | Done]:
+        """Tokens from index 1 on, then one Done. Closing the iterator early cancels the stream
+        (the service then frees the rows)."""
+
+    @abstractmethod
+    async def abort(self, reservation: Reservation, timeout: float) -> None: ...
+
+    @abstractmethod
+    async def status(self, timeout: float) -> DecodeLoad: ...
+
+    @abstractmethod
+    async def check_health(self, timeout: float) -> bool: ...
+
+    async def close(self) -> None:
+        pass
+
+
+# ---- gRPC -----------------------------------------------------------------------------------
+def _error(e: grpc.aio.AioRpcError, address: str) -> BackendError:
+    return BackendError(e.code(), e.details() or e.code().name, address)
+
+
+class _GrpcService:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def check_health(self, timeout: float) -> bool:
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class GrpcPrefillClient(_GrpcService, PrefillClient):
+    def __init__(self, address: str):
+        super().__init__(address)
+        self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
+
+    async def prefill(self, job: Job, destination: Any, timeout: float) -> FirstToken:
+        req = prefill_pb2.PrefillRequest(request_id=job.request_id, prompt_ids=job.prompt_ids, sampling=job.sampling,
+                                         destination=destination)
+        try:
+            r = await self.stub.Prefill(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e, self.address) from None
+        return FirstToken(r.first_token, r.seed, r.prefill_ms, r.transfer_bytes, r.transfer_ms)
+
+    async def status(self, timeout: float) -> PrefillLoad:
+        try:
+            s = await self.stub.Status(common_pb2.StatusRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e, self.address) from None
+        return PrefillLoad(s.queue_depth, s.serving)
+
+
+_FINISH = {decode_pb2.FINISH_REASON_STOP: "stop", decode_pb2.FINISH_REASON_LENGTH: "length"}
+_STREAM_ERRORS = {decode_pb2.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
+
+
+class GrpcDecodeClient(_GrpcService, DecodeClient):
+    def __init__(self, address: str):
+        super().__init__(address)
+        self.stub = decode_pb2_grpc.DecodeStub(self.channel)
+
+    async def reserve(self, job: Job, timeout: float) -> Reservation:
+        req = decode_pb2.ReserveRequest(request_id=job.request_id, num_tokens=len(job.prompt_ids),
+                                        max_new_tokens=job.sampling.max_new_tokens)
+        try:
+            dest = await self.stub.Reserve(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e, self.address) from None
+        return Reservation(dest.reservation_id, dest)
+
+    async def generate(self, job: Job, reservation: Reservation, first: FirstToken,
+                       timeout: float) -> AsyncIterator[Token | Done]:
+        req = decode_pb2.GenerateRequest(reservation_id=reservation.id, prompt_ids=job.prompt_ids,
+                                         sampling=job.sampling, seed=first.seed, first_token=first.token)
+        call = self.stub.Generate(req, timeout=timeout)
+        done: Done | None = None
+        try:
+            async for ev in call:
+                kind = ev.WhichOneof("event")
+                if kind == "token" and done is None:
+                    yield Token(ev.token.id, ev.token.index)
+                elif kind == "done":
+                    reason = _FINISH.get(ev.done.finish_reason)
+                    if reason is None:
+                        raise BackendError(grpc.StatusCode.ABORTED, "the decode service aborted the request",
+                                           self.address)
+                    done = Done(reason, ev.done.num_tokens)  # handed out once the stream has ended cleanly
+                elif kind == "error":
+                    raise BackendError(_STREAM_ERRORS.get(ev.error.code, grpc.StatusCode.INTERNAL),
+                                       ev.error.message, self.address)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e, self.address) from None
+        finally:
+            call.cancel()  # no-op once the call has finished; frees the rows when we leave early
+        if done is None:
+            raise BackendError(grpc.StatusCode.INTERNAL, "the decode stream ended without a Done event", self.address)
+        yield done
+
+    async def abort(self, reservation: Reservation, timeout: float) -> None:
+        try:
+            await self.stub.Abort(decode_pb2.ReservationRef(reservation_id=reservation.id), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e, self.address) from None
+
+    async def status(self, timeout: float) -> DecodeLoad:
+        try:
+            s = await self.stub.Status(common_pb2.StatusRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e, self.address) from None
+        return DecodeLoad(tuple(s.rows_used), tuple(s.rows_free), s.queue_depth, s.serving)

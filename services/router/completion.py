@@ -1,0 +1,89 @@
+"""One completion as both fronts see it: token and text deltas, then how it finished.
+
+``CompletionRunner.run`` wraps the dispatcher's token stream with the text rules of
+textstream.py and records what the client experiences: TTFT, time per output token, end-to-end
+latency, in-flight requests, and the outcome counter. It stops the backend stream itself when a
+stop string ends the text (closing the dispatcher's generator cancels the decode stream).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from services.router.backend import BackendError, Done, Job
+from services.router.dispatch import Dispatcher
+from services.router.metrics import RouterMetrics
+from services.router.textstream import TextAssembler
+
+# Outcome label of a request that failed with this code before or while streaming.
+_OUTCOME = {grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded", grpc.StatusCode.UNAVAILABLE: "unavailable",
+            grpc.StatusCode.INVALID_ARGUMENT: "invalid"}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    job: Job
+    stop: tuple[str, ...] = ()  # stop strings
+    stop_token_ids: frozenset[int] = frozenset()  # every id that ends the stream (EOS included unless ignored)
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    id: int
+    index: int
+    text: str  # new visible text (may be "")
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" | "length"
+    text: str  # held-back text flushed at the end
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class CompletionRunner:
+    def __init__(self, dispatcher: Dispatcher, tokenizer, metrics: RouterMetrics):
+        self.dispatcher, self.tokenizer, self.metrics = dispatcher, tokenizer, metrics
+
+    async def run(self, req: CompletionRequest) -> AsyncIterator[TokenDelta | Finished]:
+        start = time.perf_counter()
+        token_times: list[float] = []
+        text = TextAssembler(self.tokenizer, req.stop, req.stop_token_ids)
+        outcome = "cancelled"  # unless we get to the end
+        self.metrics.in_flight.inc()
+        try:
+            async with aclosing(self.dispatcher.generate(req.job)) as events:
+                async for event in events:
+                    if isinstance(event, Done):
+                        outcome = "ok"  # set before the yield: the consumer may close us right after it
+                        yield Finished(event.finish_reason, text.flush(), len(req.job.prompt_ids), len(token_times))
+                        return
+                    token_times.append(time.perf_counter())
+                    if len(token_times) == 1:
+                        self.metrics.ttft.observe(token_times[0] - start)
+                    delta = TokenDelta(event.id, event.index, text.push(event.id))
+                    if text.stopped:
+                        outcome = "ok"
+                        yield delta
+                        yield Finished("stop", "", len(req.job.prompt_ids), len(token_times))
+                        return
+                    yield delta
+        except BackendError as e:
+            outcome = _OUTCOME.get(e.code, "error")
+            raise
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(outcome).inc()
+            if outcome == "ok":
+                self.metrics.e2e.observe(time.perf_counter() - start)
+                if len(token_times) > 1:
+                    self.metrics.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))

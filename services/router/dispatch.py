@@ -1,0 +1,139 @@
+"""One request over the cluster: pair, reserve, prefill, stream — with retries before the first token.
+
+The protocol per attempt (protos/decode.proto, protos/prefill.proto):
+
+1. ``Decode.Reserve`` on the chosen decode service → a KV destination (opaque here);
+2. ``Prefill.Prefill(prompt, destination)`` → the first token (KV goes prefill → decode directly);
+3. the first token is handed to the caller at once;
+4. ``Decode.Generate`` streams the rest.
+
+Failure rules:
+
+- before the first token is handed out, a retryable :class:`BackendError` aborts the reservation
+  and the request moves to the least loaded pair not yet tried (at most ``max_retries`` moves);
+- after it, the error propagates to the caller (who ends its stream with an error);
+- a decode service failing with UNAVAILABLE (Reserve or its stream) is marked unhealthy at once;
+- whenever the generator is closed early (client gone, stop string found), the decode stream is
+  cancelled and the reservation aborted (an Abort after a commit is a harmless no-op).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import grpc
+
+from services.router.backend import BackendError, DecodeClient, Done, FirstToken, Job, PrefillClient, Reservation, Token
+from services.router.metrics import RouterMetrics
+from services.router.pairing import Cluster, Endpoint
+
+logger = logging.getLogger("cpserve.router")
+
+
+class Dispatcher:
+    def __init__(self, cluster: Cluster, prefill_clients: dict[str, PrefillClient],
+                 decode_clients: dict[str, DecodeClient], metrics: RouterMetrics, *, max_retries: int,
+                 request_timeout_s: float, rpc_timeout_s: float):
+        self.cluster, self.metrics = cluster, metrics
+        self.prefill_clients, self.decode_clients = prefill_clients, decode_clients
+        self.max_retries, self.request_timeout_s, self.rpc_timeout_s = max_retries, request_timeout_s, rpc_timeout_s
+        self._background: set[asyncio.Task] = set()
+
+    async def generate(self, job: Job) -> AsyncIterator[Token | Done]:
+        """Token 0 (from prefill), tokens 1.. (from decode), then one Done; or a BackendError."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
+        tried: set[tuple[str, str]] = set()
+        last: BackendError | None = None
+        for attempt in range(self.max_retries + 1):
+            pair = self.cluster.pick(tried)
+            if pair is None:
+                break
+            prefill, decode = pair
+            tried.add((prefill.address, decode.address))
+            if attempt:
+                self.metrics.retries.inc()
+            with Cluster.busy(decode):
+                try:
+                    reservation, first = await self._prefill(prefill, decode, job, deadline)
+                except BackendError as e:
+                    logger.warning("request %s: attempt %d on (%s, %s) failed: %s", job.request_id, attempt + 1,
+                                   prefill.address, decode.address, e)
+                    if not e.retryable:
+                        raise
+                    last = e
+                    continue
+                async for event in self._stream(decode, job, reservation, first, deadline):
+                    yield event
+                return
+        if last is not None:
+            raise last
+        raise BackendError(grpc.StatusCode.UNAVAILABLE, f"no healthy (prefill, decode) pair: {self.cluster.why_none()}")
+
+    async def _prefill(self, prefill: Endpoint, decode: Endpoint, job: Job,
+                       deadline: float) -> tuple[Reservation, FirstToken]:
+        try:
+            reservation = await self.decode_clients[decode.address].reserve(job, self._remaining(deadline))
+        except BackendError as e:
+            self._note_failure(decode, e)
+            raise
+        try:
+            with Cluster.busy(prefill):
+                first = await self.prefill_clients[prefill.address].prefill(job, reservation.destination,
+                                                                            self._remaining(deadline))
+        except BaseException:
+            self._abort_soon(decode, reservation)
+            raise
+        self.metrics.transfer_bytes.inc(first.transfer_bytes)
+        self.metrics.transfer_seconds.inc(first.transfer_ms / 1e3)
+        return reservation, first
+
+    async def _stream(self, decode: Endpoint, job: Job, reservation: Reservation, first: FirstToken,
+                      deadline: float) -> AsyncIterator[Token | Done]:
+        finished = False
+        try:
+            yield Token(first.token, 0)
+            events = self.decode_clients[decode.address].generate(job, reservation, first, self._remaining(deadline))
+            async with aclosing(events):
+                async for event in events:
+                    finished = isinstance(event, Done)
+                    yield event
+        except BackendError as e:
+            self._note_failure(decode, e)
+            raise
+        finally:
+            if not finished:
+                self._abort_soon(decode, reservation)
+
+    def _remaining(self, deadline: float) -> float:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise BackendError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"the request timeout ({self.request_timeout_s:g} s) passed")
+        return left
+
+    def _note_failure(self, decode: Endpoint, e: BackendError) -> None:
+        if e.code == grpc.StatusCode.UNAVAILABLE and decode.healthy:
+            logger.warning("decode %s marked unhealthy: %s", decode.address, e.message)
+            decode.mark(False, f"UNAVAILABLE: {e.message}")
+            self.metrics.healthy.labels("decode", decode.address).set(0)
+
+    def _abort_soon(self, decode: Endpoint, reservation: Reservation) -> None:
+        """Free the rows without waiting (this may run while the caller is being cancelled)."""
+        async def abort() -> None:
+            try:
+                await self.decode_clients[decode.address].abort(reservation, self.rpc_timeout_s)
+            except BackendError as e:
+                logger.info("abort of reservation %s on %s failed: %s", reservation.id, decode.address, e)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Wait for pending aborts (at shutdown)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

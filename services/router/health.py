@@ -1,0 +1,62 @@
+"""Polls every service: standard gRPC health (grpc.health.v1) and Status, every ``interval_s``.
+
+A service is healthy when its health check answers SERVING and its Status says ``serving``.
+Status also feeds the gauges (queue depth; decode rows used/free per rank) and each decode
+service's capacity, which bounds the prompts the router admits. An unhealthy service is left
+out of pairing until a later poll finds it healthy again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from services.router.backend import BackendError, DecodeClient, PrefillClient
+from services.router.metrics import RouterMetrics
+from services.router.pairing import Cluster, Endpoint
+
+logger = logging.getLogger("cpserve.router")
+
+
+class HealthMonitor:
+    def __init__(self, cluster: Cluster, prefill_clients: dict[str, PrefillClient],
+                 decode_clients: dict[str, DecodeClient], metrics: RouterMetrics, interval_s: float, rpc_timeout_s: float):
+        self.cluster, self.metrics = cluster, metrics
+        self.clients: dict[str, PrefillClient | DecodeClient] = {**prefill_clients, **decode_clients}
+        self.interval_s, self.rpc_timeout_s = interval_s, rpc_timeout_s
+        self.on_change: list = []  # callables(cluster) run after every poll (e.g. the router's own health)
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._check(e) for e in self.cluster.endpoints))
+        for callback in self.on_change:
+            await callback(self.cluster)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # never let the monitor die; the next poll tries again
+                logger.exception("health poll failed")
+
+    async def _check(self, e: Endpoint) -> None:
+        client = self.clients[e.address]
+        healthy, reason = await client.check_health(self.rpc_timeout_s), "health check: not SERVING"
+        if healthy:
+            try:
+                load = await client.status(self.rpc_timeout_s)
+            except BackendError as err:
+                healthy, reason = False, f"Status failed: {err.message}"
+            else:
+                healthy, reason = load.serving, "Status: not serving"
+                self.metrics.queue_depth.labels(e.kind, e.address).set(load.queue_depth)
+                if e.kind == "decode":
+                    e.capacity_tokens = load.capacity_tokens
+                    for rank, (used, free) in enumerate(zip(load.rows_used, load.rows_free)):
+                        self.metrics.rows_used.labels(e.address, str(rank)).set(used)
+                        self.metrics.rows_free.labels(e.address, str(rank)).set(free)
+        if healthy != e.healthy:
+            logger.info("%s %s is now %s%s", e.kind, e.address, "healthy" if healthy else "unhealthy",
+                        "" if healthy else f" ({reason})")
+        e.mark(healthy, reason)
+        self.metrics.healthy.labels(e.kind, e.address).set(int(healthy))

@@ -1,0 +1,355 @@
+"""OpenAI request bodies → a validated :class:`CompletionRequest`; every rejection names its field.
+
+Accepted parameters
+-------------------
+Both endpoints: ``model`` (optional; must be the served model), ``max_tokens`` (default
+``default_max_tokens``, 16), ``temperature`` (default 1.0, as OpenAI; 0 = greedy), ``top_p``,
+``top_k`` (vLLM extension; -1 or 0 disable), ``seed``, ``stop`` (a string, or a list of strings
+and/or token ids), ``stop_token_ids`` and ``ignore_eos`` (vLLM extensions), ``stream``,
+``stream_options`` (``include_usage``), ``return_token_ids`` (vLLM extension), ``user``
+(accepted and ignored: it never changes the output).
+``/v1/completions``: ``prompt`` (a string, a list of token ids, or a one-element list of either).
+``/v1/chat/completions``: ``messages`` (roles system, developer, user, assistant; content a
+string or a list of ``{"type": "text", "text": ...}`` parts) and ``max_completion_tokens``
+(same as ``max_tokens``).
+
+Parameters accepted only at their neutral value (anything else is a 400 naming them): ``n``
+(1), ``best_of`` (1), ``echo`` (false), ``logprobs`` (null; chat: false), ``top_logprobs``
+(null), ``presence_penalty`` / ``frequency_penalty`` (0), ``repetition_penalty`` (1),
+``logit_bias`` (empty), ``suffix`` (null), ``tools`` (empty), ``tool_choice`` ("none"),
+``response_format`` (``{"type": "text"}``). Any other field is a 400 "unsupported parameter".
+
+Chat template: the engine's tokenizers carry no chat template, so messages are rendered as one
+``"<role>: <content>\\n"`` line each, followed by ``"assistant: "``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from services.protos import common_pb2
+from services.router.backend import Job
+from services.router.completion import CompletionRequest
+
+MAX_SEED = 2**63 - 1
+MAX_STOP_STRINGS = 16
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP ``status`` and the body ``{"error": {...}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, f"{param}: {message}" if param else message, param, code)
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What validation needs to know about the served model and the cluster."""
+
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_positions: int
+    capacity_tokens: Callable[[], int | None]  # smallest decode cache, once known
+    default_max_tokens: int = 16
+
+    def token_limit(self) -> tuple[int, str]:
+        """(prompt + max_tokens limit, what sets it)."""
+        cap = self.capacity_tokens()
+        if cap is not None and cap < self.max_positions:
+            return cap, f"the smallest decode cache ({cap} tokens)"
+        return self.max_positions, f"the model's {self.max_positions} positions"
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    completion: CompletionRequest
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+# ---- JSON and typed getters --------------------------------------------------------------
+def parse_json(raw: bytes) -> dict[str, Any]:
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        body = json.loads(raw, parse_constant=no_constants)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}", None, "invalid_json")
+    return body
+
+
+def _kind(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise invalid(name, f"must be an integer, got {_kind(v)}", "invalid_type")
+    if lo is not None and v < lo:
+        raise invalid(name, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise invalid(name, f"must be <= {hi}, got {v}")
+    return v
+
+
+def _float(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise invalid(name, f"must be a finite number, got {_kind(v)}", "invalid_type")
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(name, f"must be a boolean, got {_kind(v)}", "invalid_type")
+    return v
+
+
+# ---- parameter table -----------------------------------------------------------------------
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+           "stream", "stream_options", "return_token_ids", "user"}
+_COMPLETION = _COMMON | {"prompt"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens"}
+
+
+# name -> (predicate for the neutral value, how to say it)
+_NEUTRAL_COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: _is_int(v) and v == 1, "1 (one choice per request)"),
+    "presence_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 0, "0"),
+    "frequency_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 0, "0"),
+    "repetition_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1, "1"),
+    "logit_bias": (lambda v: v == {}, "empty"),
+}
+_NEUTRAL_COMPLETION = {**_NEUTRAL_COMMON,
+                       "best_of": (lambda v: _is_int(v) and v == 1, "1"),
+                       "echo": (lambda v: v is False, "false"),
+                       "logprobs": (lambda v: False, "null"),
+                       "suffix": (lambda v: False, "null")}
+_NEUTRAL_CHAT = {**_NEUTRAL_COMMON,
+                 "logprobs": (lambda v: v is False, "false"),
+                 "top_logprobs": (lambda v: False, "null"),
+                 "tools": (lambda v: v == [], "empty"),
+                 "tool_choice": (lambda v: v == "none", '"none"'),
+                 "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}')}
+
+
+def _check_fields(body: dict, accepted: set[str], neutral: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
+    for name in body:
+        if name in accepted:
+            continue
+        if name in neutral:
+            ok, say = neutral[name]
+            if body[name] is None or ok(body[name]):
+                continue
+            raise ApiError(400, f"{name}: only {say} is supported, got {json.dumps(body[name])}", name,
+                           "unsupported_value")
+        raise ApiError(400, f"{name}: unsupported parameter", name, "unsupported_parameter")
+
+
+# ---- the request -----------------------------------------------------------------------------
+def _check_model(body: dict, ctx: ModelContext) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise invalid("model", f"must be a string, got {_kind(model)}", "invalid_type")
+    if model != ctx.name:
+        raise ApiError(404, f"model: the model '{model}' does not exist; this server serves '{ctx.name}'", "model",
+                       "model_not_found")
+
+
+def token_ids(v: list, param: str, vocab_size: int) -> list[int]:
+    for t in v:
+        if not _is_int(t):
+            raise invalid(param, f"token ids must be integers, got {_kind(t)}", "invalid_type")
+        if not 0 <= t < vocab_size:
+            raise invalid(param, f"token id {t} is outside the vocabulary [0, {vocab_size})", "invalid_token_id")
+    return list(v)
+
+
+def _prompt_ids(body: dict, ctx: ModelContext) -> list[int]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise invalid("prompt", "is required", "missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) != 1:
+            raise invalid("prompt", f"one prompt per request is supported, got {len(p)}", "unsupported_value")
+        p = p[0]
+    if isinstance(p, str):
+        ids = ctx.tokenizer.encode(p)
+    elif isinstance(p, list):
+        ids = token_ids(p, "prompt", ctx.vocab_size)
+    else:
+        raise invalid("prompt", f"must be a string or a list of token ids, got {_kind(p)}", "invalid_type")
+    if not ids:
+        raise invalid("prompt", "must not be empty")
+    return ids
+
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def render_chat(messages: Any) -> str:
+    """The documented template: ``"<role>: <content>\\n"`` per message, then ``"assistant: "``."""
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty list of messages", "invalid_type")
+    lines = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(where, f"must be an object, got {_kind(m)}", "invalid_type")
+        extra = set(m) - {"role", "content"}
+        if extra:
+            name = sorted(extra)[0]
+            raise ApiError(400, f"{where}.{name}: unsupported parameter", f"{where}.{name}", "unsupported_parameter")
+        role = m.get("role")
+        if role not in ROLES:
+            raise invalid(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                        and set(part) == {"type", "text"}):
+                    raise invalid(f"{where}.content[{j}]", 'only {"type": "text", "text": "..."} parts are supported',
+                                  "unsupported_value")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise invalid(f"{where}.content", f"must be a string or a list of text parts, got {_kind(content)}",
+                          "invalid_type")
+        lines.append(f"{role}: {content}\n")
+    return "".join(lines) + "assistant: "
+
+
+def _stops(body: dict, ctx: ModelContext) -> tuple[tuple[str, ...], list[int]]:
+    strings: list[str] = []
+    ids: list[int] = []
+    stop = body.get("stop")
+    if stop is not None:
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, list):
+            raise invalid("stop", f"must be a string or a list of strings and token ids, got {_kind(stop)}",
+                          "invalid_type")
+        for s in items:
+            if isinstance(s, str):
+                if not s:
+                    raise invalid("stop", "stop strings must not be empty")
+                strings.append(s)
+            elif _is_int(s):
+                ids.extend(token_ids([s], "stop", ctx.vocab_size))
+            else:
+                raise invalid("stop", f"entries must be strings or token ids, got {_kind(s)}", "invalid_type")
+        if len(strings) > MAX_STOP_STRINGS:
+            raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+    extra = body.get("stop_token_ids")
+    if extra is not None:
+        if not isinstance(extra, list):
+            raise invalid("stop_token_ids", f"must be a list of token ids, got {_kind(extra)}", "invalid_type")
+        ids.extend(token_ids(extra, "stop_token_ids", ctx.vocab_size))
+    return tuple(dict.fromkeys(strings)), list(dict.fromkeys(ids))
+
+
+def _max_tokens(body: dict, ctx: ModelContext, chat: bool) -> int:
+    names = ["max_tokens"] + (["max_completion_tokens"] if chat else [])
+    given = [(n, _int(body, n, None, lo=1)) for n in names]
+    given = [(n, v) for n, v in given if v is not None]
+    if len(given) == 2 and given[0][1] != given[1][1]:
+        raise invalid("max_completion_tokens", f"differs from max_tokens ({given[0][1]} vs {given[1][1]})")
+    return given[0][1] if given else ctx.default_max_tokens
+
+
+def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
+    """A validated request for /v1/chat/completions (``chat``) or /v1/completions."""
+    _check_fields(body, _CHAT if chat else _COMPLETION, _NEUTRAL_CHAT if chat else _NEUTRAL_COMPLETION)
+    _check_model(body, ctx)
+    if chat:
+        if "messages" not in body:
+            raise invalid("messages", "is required", "missing_required_parameter")
+        prompt_ids = ctx.tokenizer.encode(render_chat(body["messages"]))
+    else:
+        prompt_ids = _prompt_ids(body, ctx)
+    max_tokens = _max_tokens(body, ctx, chat)
+    temperature = _float(body, "temperature", 1.0)
+    if temperature < 0:
+        raise invalid("temperature", f"must be >= 0, got {temperature:g}")
+    top_p = _float(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise invalid("top_p", f"must be in (0, 1], got {top_p:g}")
+    top_k = _int(body, "top_k", 0, lo=-1)
+    seed = _int(body, "seed", None, lo=0, hi=MAX_SEED)
+    stop, stop_ids = _stops(body, ctx)
+    ignore_eos = _bool(body, "ignore_eos")
+    stream = _bool(body, "stream")
+    include_usage = False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not stream:
+            raise invalid("stream_options", "is only allowed with stream: true")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+            raise invalid("stream_options", 'must be {"include_usage": true|false}', "invalid_type")
+        include_usage = _bool(opts, "include_usage")
+    return_token_ids = _bool(body, "return_token_ids")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid("user", f"must be a string, got {_kind(user)}", "invalid_type")
+
+    check_length(len(prompt_ids), max_tokens, ctx, "messages" if chat else "prompt", "max_tokens")
+
+    sampling = common_pb2.Sampling(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                   top_k=min(max(top_k, 0), ctx.vocab_size), stop_token_ids=stop_ids,
+                                   ignore_eos=ignore_eos)
+    if seed is not None:
+        sampling.seed = seed
+    job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", tuple(prompt_ids), sampling)
+    return ParsedRequest(CompletionRequest(job, stop, stop_token_set(sampling, ctx.eos_token_ids)), stream,
+                         include_usage, return_token_ids)
+
+
+def check_length(num_prompt: int, max_tokens: int, ctx: ModelContext, prompt_param: str, max_param: str) -> None:
+    """Prompt plus max_tokens must fit the model's positions and the smallest decode cache."""
+    limit, why = ctx.token_limit()
+    if num_prompt >= limit:
+        raise invalid(prompt_param, f"the prompt is {num_prompt} tokens; prompt plus max_tokens may be at most "
+                                    f"{limit} tokens ({why})", "context_length_exceeded")
+    if num_prompt + max_tokens > limit:
+        raise invalid(max_param, f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds {limit} "
+                                 f"tokens ({why})", "context_length_exceeded")
+
+
+def stop_token_set(sampling: common_pb2.Sampling, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+    """The ids that end a stream, by the rule of common.proto (user ids, plus EOS unless ignored)."""
+    return frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(eos_token_ids))

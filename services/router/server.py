@@ -1,0 +1,149 @@
+"""Start a router: ``serve_router(config) -> RouterHandle``.
+
+Everything runs on one asyncio loop in a background thread: uvicorn (HTTP), the grpc.aio
+server (gRPC front), the grpc.aio channels to the services, and the health monitor. So the
+router is usable in-process (tests, ``cpserve up``) and ``shutdown()`` stops all of it.
+``serve_router`` returns once both fronts listen and every service has been checked once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import uvicorn
+
+from services.router.app import build_app
+from services.router.backend import DecodeClient, GrpcDecodeClient, GrpcPrefillClient, PrefillClient
+from services.router.completion import CompletionRunner
+from services.router.config import RouterConfig
+from services.router.dispatch import Dispatcher
+from services.router.grpc_front import GrpcFront, RouterServicer
+from services.router.health import HealthMonitor
+from services.router.metrics import RouterMetrics
+from services.router.pairing import Cluster
+from services.router.params import ModelContext
+
+logger = logging.getLogger("cpserve.router")
+
+
+def model_context(config: RouterConfig, cluster: Cluster) -> ModelContext:
+    from engine.model.config import ModelConfig
+    from engine.model.tiny import resolve_model_dir
+    from engine.model.tokenizer import load_tokenizer
+
+    cfg = ModelConfig.load(config.model)
+    return ModelContext(name=config.model_name, tokenizer=load_tokenizer(resolve_model_dir(config.model)),
+                        vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids),
+                        max_positions=cfg.max_position_embeddings, capacity_tokens=cluster.capacity_tokens,
+                        default_max_tokens=config.default_max_tokens)
+
+
+@dataclass
+class RouterHandle:
+    http_port: int
+    grpc_port: int | None
+    host: str
+    cluster: Cluster
+    metrics: RouterMetrics
+    _stop: Callable[[], None] = field(repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    def shutdown(self) -> None:
+        self._stop()
+
+
+def serve_router(config: RouterConfig, prefill_clients: list[PrefillClient] | None = None,
+                 decode_clients: list[DecodeClient] | None = None, start_timeout_s: float = 60.0) -> RouterHandle:
+    """Start the router in a background thread. ``*_clients`` replace the gRPC clients (tests);
+    by default one gRPC client per configured address."""
+    ready = threading.Event()
+    box: dict = {}
+
+    def main() -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(_serve(config, prefill_clients, decode_clients, box, ready))
+        except BaseException as e:  # reported to the starting thread if start-up failed
+            box.setdefault("error", e)
+            ready.set()
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=main, name="cpserve-router", daemon=True)
+    thread.start()
+    if not ready.wait(start_timeout_s):
+        raise TimeoutError(f"the router did not start within {start_timeout_s:g} s")
+    if "error" in box:
+        thread.join(5)
+        raise box["error"]
+
+    def stop() -> None:
+        loop, event = box["loop"], box["stop"]
+        if thread.is_alive():
+            loop.call_soon_threadsafe(event.set)
+            thread.join(30)
+
+    return RouterHandle(box["http_port"], box["grpc_port"], config.host, box["cluster"], box["metrics"], stop)
+
+
+async def _serve(config: RouterConfig, prefill_clients, decode_clients, box: dict, ready: threading.Event) -> None:
+    prefills = prefill_clients or [GrpcPrefillClient(a) for a in config.prefill]
+    decodes = decode_clients or [GrpcDecodeClient(a) for a in config.decode]
+    cluster = Cluster([c.address for c in prefills], [c.address for c in decodes])
+    metrics = RouterMetrics()
+    p_clients = {c.address: c for c in prefills}
+    d_clients = {c.address: c for c in decodes}
+    ctx = model_context(config, cluster)
+    dispatcher = Dispatcher(cluster, p_clients, d_clients, metrics, max_retries=config.max_retries,
+                            request_timeout_s=config.request_timeout_s, rpc_timeout_s=config.rpc_timeout_s)
+    runner = CompletionRunner(dispatcher, ctx.tokenizer, metrics)
+    monitor = HealthMonitor(cluster, p_clients, d_clients, metrics, config.health_interval_s, config.rpc_timeout_s)
+
+    grpc_front = None
+    if config.grpc_port is not None:
+        grpc_front = GrpcFront(RouterServicer(ctx, runner, metrics, config.api_key), config.host, config.grpc_port)
+        monitor.on_change.append(grpc_front.set_serving)
+        await grpc_front.start()
+
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    app = build_app(ctx, runner, cluster, metrics, config.api_key)
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                         timeout_graceful_shutdown=2))
+    await monitor.poll_once()
+    monitor_task = asyncio.create_task(monitor.run())
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    while not http.started:
+        if http_task.done():
+            await http_task
+            raise RuntimeError("the HTTP server stopped during start-up")
+        await asyncio.sleep(0.01)
+
+    stop = asyncio.Event()
+    box.update(loop=asyncio.get_running_loop(), stop=stop, http_port=sock.getsockname()[1],
+               grpc_port=grpc_front.port if grpc_front else None, cluster=cluster, metrics=metrics)
+    logger.info("router: http %s:%d, grpc %s; prefill %s; decode %s", config.host, box["http_port"],
+                box["grpc_port"], ", ".join(config.prefill), ", ".join(config.decode))
+    ready.set()
+    try:
+        await stop.wait()
+    finally:
+        http.should_exit = True
+        await http_task
+        if grpc_front:
+            await grpc_front.stop()
+        monitor_task.cancel()
+        await dispatcher.drain()
+        for client in [*prefills, *decodes]:
+            await client.close()
+        sock.close()

@@ -1,0 +1,70 @@
+"""Generated token ids → text deltas, with stop strings applied on the decoded text.
+
+Rules (the same for HTTP and gRPC):
+
+- text is held back while it ends in an incomplete UTF-8 character ("\\ufffd" from a partial
+  byte sequence) or in a prefix of some stop string, so a delta never has to be taken back;
+- when a stop string appears, the text ends just before it (the stop string is not sent) and
+  the stream finishes with reason "stop";
+- the text of a stop token (a stop id or EOS, ending the stream) is not rendered; its id is
+  still reported among the generated ids;
+- at the end, whatever was held back (a stop-string prefix that never completed) is flushed.
+
+The whole output is decoded again for every token (O(n²) characters over a request). Simple and
+exact for every tokenizer; fine for outputs of a few thousand tokens.
+"""
+
+from __future__ import annotations
+
+
+class TextAssembler:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), stop_token_ids: frozenset[int] = frozenset()):
+        self.tokenizer, self.stop, self.stop_token_ids = tokenizer, stop, stop_token_ids
+        self._ids: list[int] = []  # ids whose text is rendered
+        self._text = ""  # decoded text of _ids
+        self._sent = 0  # characters of _text already handed out
+        self.stopped = False  # a stop string was found
+
+    def push(self, token_id: int) -> str:
+        """The new text that ``token_id`` makes safe to send ("" if none)."""
+        if self.stopped:
+            return ""
+        if token_id in self.stop_token_ids:
+            return ""
+        self._ids.append(token_id)
+        self._text = self.tokenizer.decode(self._ids)
+        cut = self._find_stop()
+        if cut is not None:
+            self.stopped = True
+            return self._take(cut)
+        end = len(self._text)
+        while end > self._sent and self._text[end - 1] == "\ufffd":
+            end -= 1
+        return self._take(min(end, len(self._text) - self._stop_prefix_len()))
+
+    def flush(self) -> str:
+        """Everything not yet sent (at the end of the stream)."""
+        return "" if self.stopped else self._take(len(self._text))
+
+    def _take(self, end: int) -> str:
+        if end <= self._sent:
+            return ""
+        delta, self._sent = self._text[self._sent:end], end
+        return delta
+
+    def _find_stop(self) -> int | None:
+        if not self.stop:
+            return None
+        start = max(0, self._sent - max(len(s) for s in self.stop))
+        hits = [i for i in (self._text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self._text)), best, -1):
+                if self._text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

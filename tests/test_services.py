@@ -1,0 +1,422 @@
+"""The prefill and decode gRPC services, in-process on 127.0.0.1 (free ports), driven through
+their stubs: Reserve → Prefill(destination) → Generate, exact against the reference engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.decode_engine import DCPDecodeEngine
+from engine.model.sampler import InvalidRequest, SamplingParams
+from engine.reference import ReferenceEngine
+from kvtransfer.handoff import KvDestination, RankEndpoint
+from services.common.config import ConfigError, DecodeConfig, PrefillConfig, load_config
+from services.common.convert import destination_from_proto, destination_to_proto, sampling_from_proto
+from services.common.engine_loop import EngineLoop
+from services.common.rpc import CHANNEL_OPTIONS, QueueFull, ServiceUnavailable
+from services.decode.server import serve_decode
+from services.prefill.server import serve_prefill
+from services.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+RPC_S = 30  # deadline of every call
+MAX_NEW = 16
+LENGTHS = [45, 2, 70, 1]
+
+
+def prompts(n=len(LENGTHS), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (LENGTHS[i % len(LENGTHS)] + i // len(LENGTHS),), generator=g).tolist()
+            for i in range(n)]
+
+
+def greedy(max_new_tokens=MAX_NEW, **kw):
+    return common_pb2.Sampling(max_new_tokens=max_new_tokens, ignore_eos=True, **kw)
+
+
+class Client:
+    def __init__(self, prefill_port: int, decode_port: int):
+        self.channels = [grpc.insecure_channel(f"127.0.0.1:{p}", options=CHANNEL_OPTIONS)
+                         for p in (prefill_port, decode_port)]
+        self.prefill = prefill_pb2_grpc.PrefillStub(self.channels[0])
+        self.decode = decode_pb2_grpc.DecodeStub(self.channels[1])
+        self.health = [health_pb2_grpc.HealthStub(c) for c in self.channels]
+
+    def reserve(self, n, max_new=MAX_NEW):
+        return self.decode.Reserve(decode_pb2.ReserveRequest(request_id="t", num_tokens=n, max_new_tokens=max_new),
+                                   timeout=RPC_S)
+
+    def prefill_to(self, prompt, dest, sampling=None):
+        return self.prefill.Prefill(prefill_pb2.PrefillRequest(request_id="t", prompt_ids=prompt,
+                                                               sampling=sampling or greedy(), destination=dest),
+                                    timeout=RPC_S)
+
+    def generate(self, dest, prompt, first, sampling=None):
+        return self.decode.Generate(decode_pb2.GenerateRequest(
+            reservation_id=dest.reservation_id, prompt_ids=prompt, sampling=sampling or greedy(),
+            seed=first.seed, first_token=first.first_token), timeout=RPC_S)
+
+    def run(self, prompt, sampling=None):
+        """The whole protocol; returns (all generated tokens, the Done event)."""
+        sampling = sampling or greedy()
+        dest = self.reserve(len(prompt), sampling.max_new_tokens)
+        first = self.prefill_to(prompt, dest, sampling)
+        tokens, done = [first.first_token], None
+        for ev in self.generate(dest, prompt, first, sampling):
+            kind = ev.WhichOneof("event")
+            assert kind != "error", ev.error.message
+            if kind == "token":
+                assert ev.token.index == len(tokens)
+                tokens.append(ev.token.id)
+            else:
+                done = ev.done
+        return tokens, done
+
+    def status(self):
+        return self.decode.Status(common_pb2.StatusRequest(), timeout=RPC_S)
+
+    def wait_rows_free(self, timeout_s=5.0):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = self.status()
+            if (all(u == 0 for u in s.rows_used) and s.running == 0 and s.reservations == 0) \
+                    or time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+
+    def close(self):
+        for c in self.channels:
+            c.close()
+
+
+@pytest.fixture(scope="module")
+def services():
+    pre = dec = None
+    try:
+        dec = serve_decode(DecodeConfig(dcp=2, port=0, max_cache_tokens=8192, lease_s=5))
+        pre = serve_prefill(PrefillConfig(cp=2, port=0, max_cache_tokens=8192))
+        client = Client(pre[1], dec[1])
+        yield client
+        client.close()
+    finally:
+        for s in (pre, dec):
+            if s is not None:
+                s[2]()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return ReferenceEngine("tiny")
+
+
+def expected(ref, prompt, max_new=MAX_NEW):
+    return ref.generate([prompt], SamplingParams(max_new_tokens=max_new, stop_token_ids=()))[0].output_ids
+
+
+def code_and_details(call):
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
+# ---- the protocol ------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_health_and_status(services):
+    for stub in services.health:
+        assert stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=RPC_S).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    assert services.health[1].Check(health_pb2.HealthCheckRequest(service="cpserve.decode.Decode"),
+                                    timeout=RPC_S).status == health_pb2.HealthCheckResponse.SERVING
+    s = services.status()
+    assert s.dcp == 2 and s.model == "tiny" and s.serving and len(s.rows_free) == 2 and s.queue_depth == 0
+    p = services.prefill.Status(common_pb2.StatusRequest(), timeout=RPC_S)
+    assert p.cp == 2 and p.model == "tiny" and p.serving and p.rows_free > 0 and p.rows_used == 0
+
+
+@pytest.mark.timeout(120)
+def test_full_protocol_matches_reference(services, reference):
+    free_before = services.status().rows_free
+    for prompt in prompts():
+        tokens, done = services.run(prompt)
+        assert tokens == expected(reference, prompt)
+        assert done.finish_reason == decode_pb2.FINISH_REASON_LENGTH and done.num_tokens == MAX_NEW
+    s = services.wait_rows_free()
+    assert list(s.rows_free) == list(free_before) and all(u == 0 for u in s.rows_used)
+
+
+@pytest.mark.timeout(60)
+def test_prefill_reports_seed_and_transfer(services):
+    prompt = prompts()[0]
+    dest = services.reserve(len(prompt))
+    assert len(dest.ranks) == dest.dcp == 2 and len(dest.slots) == len(prompt)
+    assert dest.decode_address.startswith("127.0.0.1:") and dest.expires_at_unix_s > time.time()
+    first = services.prefill_to(prompt, dest, greedy(seed=1234))
+    assert first.seed == 1234 and first.transfer_bytes > 0 and first.prefill_ms > 0 and first.transfer_ms >= 0
+    tokens = [first.first_token] + [ev.token.id for ev in services.generate(dest, prompt, first)
+                                    if ev.WhichOneof("event") == "token"]
+    assert len(tokens) == MAX_NEW
+    services.wait_rows_free()
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_requests_are_exact(services, reference):
+    ps = prompts(8, seed=1)
+    want = [expected(reference, p) for p in ps]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: services.run(p)[0], ps))
+    assert got == want
+    s = services.wait_rows_free()
+    assert all(u == 0 for u in s.rows_used)
+
+
+@pytest.mark.timeout(60)
+def test_stop_at_eos_and_first_token_stop(services, reference):
+    prompt = prompts()[2]
+    want = expected(reference, prompt)
+    # the reference's 3rd token as a stop id: the stream ends there with STOP
+    sampling = greedy(stop_token_ids=[want[2]])
+    tokens, done = services.run(prompt, sampling)
+    assert tokens == want[: want.index(want[2]) + 1] and done.finish_reason == decode_pb2.FINISH_REASON_STOP
+    # max_new_tokens 1: prefill's token is the whole answer; Generate only says Done
+    tokens, done = services.run(prompt, greedy(max_new_tokens=1))
+    assert tokens == want[:1] and done.num_tokens == 1
+    services.wait_rows_free()
+
+
+# ---- errors --------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case,field", [
+    ("empty prompt", "prompt"), ("token id >= vocab", "prompt"), ("max_new_tokens 0", "max_new_tokens"),
+    ("fingerprint", "dtype"), ("no destination", "destination"), ("index mode", "destination.index_mode"),
+])
+def test_bad_prefill_input_is_invalid_argument(services, case, field):
+    prompt = prompts()[0][:10]
+    dest = services.reserve(len(prompt))
+    request = prefill_pb2.PrefillRequest(request_id="bad", prompt_ids=prompt, sampling=greedy(), destination=dest)
+    if case == "empty prompt":
+        del request.prompt_ids[:]
+    elif case == "token id >= vocab":
+        request.prompt_ids[3] = 320
+    elif case == "max_new_tokens 0":
+        request.sampling.max_new_tokens = 0
+    elif case == "fingerprint":  # as a bf16 decode service would describe its rows
+        request.destination.fingerprint.dtype = "bf16"
+    elif case == "no destination":
+        request.ClearField("destination")
+    elif case == "index mode":
+        request.destination.index_mode = 0
+    t0 = time.monotonic()
+    code, details = code_and_details(lambda: services.prefill.Prefill(request, timeout=RPC_S))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details and time.monotonic() - t0 < 5
+    assert "Traceback" not in details
+    assert services.decode.Abort(decode_pb2.ReservationRef(reservation_id=dest.reservation_id), timeout=RPC_S).freed
+    services.wait_rows_free()
+
+
+@pytest.mark.timeout(60)
+def test_bad_decode_input_is_invalid_argument(services):
+    for n, max_new, field in [(5, 0, "max_new_tokens"), (0, 4, "num_tokens"), (5, 200_000, "max_new_tokens")]:
+        code, details = code_and_details(lambda: services.reserve(n, max_new))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+    code, details = code_and_details(lambda: services.reserve(20_000, 4))  # more than the 8192-token cache
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_tokens" in details
+    prompt = prompts()[1]
+    dest = services.reserve(len(prompt))
+    first = prefill_pb2.PrefillResponse(first_token=400, seed=1)
+    code, details = code_and_details(lambda: list(services.generate(dest, prompt, first)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "first_token" in details
+    # Generate before any write: the reservation is not being written
+    first = prefill_pb2.PrefillResponse(first_token=5, seed=1)
+    code, details = code_and_details(lambda: list(services.generate(dest, prompt, first)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and dest.reservation_id in details
+    services.decode.Abort(decode_pb2.ReservationRef(reservation_id=dest.reservation_id), timeout=RPC_S)
+    services.wait_rows_free()
+
+
+@pytest.mark.timeout(60)
+def test_aborted_reservation_is_refused_by_begin_write(services):
+    prompt = prompts()[0]
+    dest = services.reserve(len(prompt))
+    assert services.decode.Abort(decode_pb2.ReservationRef(reservation_id=dest.reservation_id), timeout=RPC_S).freed
+    code, details = code_and_details(lambda: services.prefill_to(prompt, dest))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "unknown or expired" in details
+    assert services.prefill.Status(common_pb2.StatusRequest(), timeout=RPC_S).rows_used == 0
+
+
+@pytest.mark.timeout(60)
+def test_abort_frees_rows(services):
+    full = list(services.wait_rows_free().rows_free)
+    dest = services.reserve(100, 50)
+    s = services.status()
+    assert s.reservations == 1 and all(u >= 75 for u in s.rows_used)  # 150 tokens over 2 ranks
+    assert [f + u for f, u in zip(s.rows_free, s.rows_used)] == full
+    ref = decode_pb2.ReservationRef(reservation_id=dest.reservation_id)
+    assert services.decode.Abort(ref, timeout=RPC_S).freed
+    assert not services.decode.Abort(ref, timeout=RPC_S).freed
+    s = services.status()
+    assert list(s.rows_free) == full and s.reservations == 0
+
+
+@pytest.mark.timeout(60)
+def test_full_cache_is_resource_exhausted(services):
+    held = services.reserve(4000, 100)  # 129 of the 256 pages (32 tokens each at dcp 2)
+    try:
+        code, details = code_and_details(lambda: services.reserve(4000, 100))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "capacity" in details
+    finally:
+        services.decode.Abort(decode_pb2.ReservationRef(reservation_id=held.reservation_id), timeout=RPC_S)
+    services.wait_rows_free()
+
+
+@pytest.mark.timeout(60)
+def test_cancelled_stream_frees_rows(services):
+    full = list(services.wait_rows_free().rows_free)
+    prompt = prompts()[0]
+    sampling = greedy(max_new_tokens=4000)
+    dest = services.reserve(len(prompt), sampling.max_new_tokens)
+    first = services.prefill_to(prompt, dest, sampling)
+    call = services.generate(dest, prompt, first, sampling)
+    for i, ev in zip(range(3), call):
+        assert ev.WhichOneof("event") == "token"
+    assert services.status().running == 1
+    call.cancel()
+    s = services.wait_rows_free()
+    assert list(s.rows_free) == full and s.running == 0
+
+
+# ---- a rank dies -------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_rank_death_ends_streams_and_health(services):
+    config = DecodeConfig(dcp=2, port=0, max_cache_tokens=8192)
+    engine = DCPDecodeEngine(**config.engine_kwargs)
+    server, port, shutdown = serve_decode(config, engine)
+    client = Client(0, port)
+    try:
+        prompt = prompts()[0]
+        sampling = greedy(max_new_tokens=4000)
+        dest = client.reserve(len(prompt), sampling.max_new_tokens)
+        first = services.prefill_to(prompt, dest, sampling)  # the shared prefill writes to this decode
+        call = client.generate(dest, prompt, first, sampling)
+        assert next(call).WhichOneof("event") == "token"
+        t0 = time.monotonic()
+        os.kill(engine.group.pids[1], signal.SIGKILL)
+        last = None
+        for ev in call:
+            last = ev
+        assert last.WhichOneof("event") == "error" and last.error.code == decode_pb2.ERROR_CODE_UNAVAILABLE
+        assert "rank 1" in last.error.message and time.monotonic() - t0 < 10
+        code, details = code_and_details(lambda: client.reserve(5))
+        assert code == grpc.StatusCode.UNAVAILABLE and "Traceback" not in details
+        assert client.health[1].Check(health_pb2.HealthCheckRequest(service=""), timeout=RPC_S).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not client.status().serving
+    finally:
+        client.close()
+        shutdown()
+
+
+
+# ---- pieces without a rank group -----------------------------------------------------------
+def test_sampling_stop_rule():
+    eos = (1,)
+    assert sampling_from_proto(common_pb2.Sampling(max_new_tokens=3), eos).stop_token_ids is None
+    assert sampling_from_proto(common_pb2.Sampling(max_new_tokens=3, ignore_eos=True), eos).stop_token_ids == ()
+    assert sampling_from_proto(common_pb2.Sampling(max_new_tokens=3, stop_token_ids=[7, 8]), eos).stop_token_ids \
+        == (7, 8, 1)
+    p = sampling_from_proto(common_pb2.Sampling(max_new_tokens=3, stop_token_ids=[7], ignore_eos=True, seed=5,
+                                                temperature=0.5, top_k=4), eos)
+    assert (p.stop_token_ids, p.seed, p.temperature, p.top_k, p.top_p) == ((7,), 5, 0.5, 4, 1.0)
+    assert sampling_from_proto(common_pb2.Sampling(max_new_tokens=3, top_p=0.5), eos).top_p == 0.5
+    assert sampling_from_proto(common_pb2.Sampling(max_new_tokens=3), eos).seed is None
+
+
+def test_destination_round_trip():
+    fp = {"model": "abc", "dtype": "fp32", "latent_dim": 48, "index_head_dim": 32, "num_layers": 4,
+          "indexer_layers": [0, 2]}
+    ranks = tuple(RankEndpoint(f"127.0.0.1:{1000 + r}", 1 << 40, 512, 192, {0: 7 << 30, 2: 9 << 30}, 512, 128)
+                  for r in range(2))
+    dest = KvDestination("ab" * 16, 2, 16, "split", (0, 1, 2, 3, 34), 0, ranks, fp, 1.7e9)
+    msg = destination_to_proto(dest, "127.0.0.1:5000")
+    assert msg.decode_address == "127.0.0.1:5000"
+    assert destination_from_proto(msg) == dest
+    bad = type(msg)()
+    bad.CopyFrom(msg)
+    del bad.ranks[1]
+    with pytest.raises(InvalidRequest, match="destination.ranks"):
+        destination_from_proto(bad)
+    bad.CopyFrom(msg)
+    bad.ClearField("fingerprint")
+    with pytest.raises(InvalidRequest, match="destination.fingerprint"):
+        destination_from_proto(bad)
+
+
+def test_config_yaml_sections_overrides_and_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"prefill": {"cp": 4, "port": 7000}, "decode": {"dcp": 3, "indexer": "split"},
+                                    "router": {"anything": 1}}))
+    p = load_config("prefill", path, {"port": 0, "strategy": None})
+    assert (p.cp, p.port, p.strategy, p.host) == (4, 0, "interleave", "127.0.0.1")
+    d = load_config("decode", path)
+    assert (d.dcp, d.indexer) == (3, "split") and d.engine_kwargs["exchange"] == "a2a"
+    with pytest.raises(Exception):
+        d.dcp = 2  # frozen
+    for section, values, field in [("decode", {"dcp": 0}, "decode.dcp"),
+                                   ("prefill", {"strategy": "x"}, "prefill.strategy"),
+                                   ("prefill", {"bogus": 1}, "prefill.bogus"),
+                                   ("decode", {"port": 70000}, "decode.port")]:
+        with pytest.raises(ConfigError, match=field):
+            load_config(section, None, values)
+
+
+def test_engine_loop_bounds_its_queue_and_fails_cleanly():
+    release = threading.Event()
+    failures = []
+    loop = EngineLoop(object(), "test", 2, on_failure=failures.append)
+    try:
+        blocker = loop.submit(lambda e: release.wait(10), admit=True)
+        time.sleep(0.1)  # the loop thread is now inside the blocker
+        queued = [loop.submit(lambda e: 1, admit=True) for _ in range(2)]
+        assert loop.queue_depth == 2
+        with pytest.raises(QueueFull, match="max_queue"):
+            loop.submit(lambda e: 1, admit=True)
+        control = loop.submit(lambda e: 2)  # control commands are never refused
+        release.set()
+        assert blocker.result(5) and [f.result(5) for f in queued] == [1, 1] and control.result(5) == 2
+        with pytest.raises(ZeroDivisionError):  # a command's error goes to its caller only
+            loop.call(lambda e: 1 / 0, timeout_s=5)
+        assert loop.call(lambda e: 3, timeout_s=5) == 3 and not failures
+    finally:
+        release.set()
+        loop.stop()
+    with pytest.raises(ServiceUnavailable):
+        loop.submit(lambda e: 1)
+
+
+@pytest.mark.timeout(90)
+def test_cli_serve_decode_prints_its_address_and_stops_on_sigterm():
+    argv = ["serve", "decode", "--dcp", "2", "--port", "0", "--max-cache-tokens", "1024"]
+    proc = subprocess.Popen([sys.executable, "-m", "cpserve.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving decode on 127.0.0.1:"), line
+        port = int(line.rsplit(":", 1)[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as ch:
+            s = decode_pb2_grpc.DecodeStub(ch).Status(common_pb2.StatusRequest(), timeout=RPC_S)
+            assert s.dcp == 2 and s.serving
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
