@@ -33,6 +33,9 @@ class KVPool:
         self.latent_pool = torch.zeros(len(self.layers), num_rows, cfg.latent_dim, dtype=dtype, device=device)
         self.index_pool = torch.zeros(len(self.index_layers), num_rows, max(cfg.index_head_dim, 1), dtype=dtype,
                                       device=device)
+        from engine.cache.local import RowGatherer
+
+        self.gather = RowGatherer()  # reused decode-attention buffer
 
     def holds(self, layer: int) -> bool:
         return layer in self.layers

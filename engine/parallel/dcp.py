@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.cache.local import pad_rows
+from engine.cache.local import RowGatherer
 from engine.model.attention import absorbed_decode, merge_partials, topk_mask
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
@@ -139,7 +139,8 @@ class DCPKV:
 
     def _split_select(self, layer, iq, iw, k, indexer):
         r = self.r
-        cand = torch.full((len(self.req_slots), k, 2), float("-inf"), dtype=torch.float64)
+        # (fp32 score, position) pairs: 8 bytes a candidate; positions < 2^24 are exact in fp32.
+        cand = torch.full((len(self.req_slots), k, 2), float("-inf"), dtype=torch.float32)
         cand[..., 1] = -1
         for b, slots in enumerate(self.req_slots):
             if slots.numel() <= k:
@@ -150,8 +151,8 @@ class DCPKV:
             rows = slots[pos] // r.world
             scores = indexer.scores(iq[b : b + 1], iw[b : b + 1], r.index[layer][rows])[0]
             keep = topk_mask(scores[None], k, torch.ones(1, pos.numel(), dtype=torch.bool))[0]
-            cand[b, : int(keep.sum()), 0] = scores[keep].double()
-            cand[b, : int(keep.sum()), 1] = pos[keep].double()
+            cand[b, : int(keep.sum()), 0] = scores[keep].float()
+            cand[b, : int(keep.sum()), 1] = pos[keep].float()
         gathered = torch.empty(r.world * cand.shape[0], *cand.shape[1:], dtype=cand.dtype)
         dist.all_gather_single(gathered, cand, group=r.group)
         gathered = gathered.view(r.world, *cand.shape)
@@ -190,7 +191,7 @@ class DCPKV:
             if sel is not None and sel[b] is not None:
                 pos = sel[b][sel[b] % r.world == r.rank]
             rows.append(slots[pos] // r.world)
-        gathered, valid = pad_rows(r.latent[layer], rows)
+        gathered, valid = r.gather(r.latent[layer], rows)
         out, lse = absorbed_decode(q_lat, q_rope, gathered.to(q_lat.dtype), valid, r.cfg.kv_lora_rank, scale)
         if r.world == 1:
             return out
@@ -217,7 +218,7 @@ class DCPKV:
         scale = torch.where(torch.isneginf(lse), torch.zeros_like(scale), scale)
         scaled = (out.float() * scale.unsqueeze(-1)).view(b, r.world, per, d).permute(1, 0, 2, 3).contiguous()
         mine = torch.empty(b, per, d, dtype=scaled.dtype)
-        dist.reduce_scatter_tensor(mine, scaled.view(r.world * b, per, d), group=r.group)
+        dist.reduce_scatter_single(mine, scaled.view(r.world * b, per, d), group=r.group)
         r.bytes_sent["exchange"] += lse.numel() * lse.element_size() + scaled.numel() * scaled.element_size() * (
             r.world - 1) // r.world
         return mine.to(out.dtype)
@@ -237,6 +238,8 @@ class DecodeRank:
         self.exchange, self.indexer, self.dtype = exchange, indexer, parse_dtype(dtype)
         self.lm = load_model(model_dir, dtype)
         self.cfg = self.lm.cfg
+        if indexer == "split" and self.cfg.max_position_embeddings >= 1 << 24:
+            raise ValueError("indexer: split index candidates carry positions as fp32 (exact below 2^24)")
         shard_for_dcp(self.lm, self.rank, self.world, replicate_q_proj)
         cfg = self.cfg
         self.num_rows = num_rows
@@ -245,6 +248,7 @@ class DecodeRank:
         self.index = {l: torch.zeros(index_rows, cfg.index_head_dim, dtype=self.dtype) for l in cfg.indexer_layer_ids}
         self.bytes_sent = {"q_all_gather": 0, "exchange": 0, "index_candidates": 0, "all_reduce": 0}
         self.trace: dict | None = None
+        self.gather = RowGatherer()
         self.transport = None
         if kv_transport is not None:
             from kvtransfer.transport import MooncakeTransport
