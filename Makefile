@@ -24,10 +24,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Until the router lands (issue 6), the main job is a demo: one prompt through the reference
-# engine, a CP=2 prefill group and a DCP=2 decode group, with timings.
+# The whole cluster on this machine: router (OpenAI API on :8000) + prefill CP=2 + decode DCP=2.
 up: setup
-	$(VENV)/bin/cpserve demo
+	$(VENV)/bin/cpserve up
 
 # Tests run inside a private network namespace with only loopback (no traffic can leave 127.0.0.1).
 test: setup

@@ -200,6 +200,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dcp", type=int, default=2)
     p.set_defaults(handler=cmd_demo, cmd_parser=p)
 
+    from services.up import add_cluster_args, run_generate, run_up
+
+    p = sub.add_parser("up", help="start router + prefill + decode on this machine and serve until Ctrl-C")
+    add_cluster_args(p)
+    p.add_argument("--port", type=int, default=8000, help="router HTTP port (OpenAI API)")
+    p.add_argument("--grpc-port", type=int, default=0, help="router gRPC port (0: a free one)")
+    p.set_defaults(handler=run_up, cmd_parser=p)
+
+    p = sub.add_parser("generate", help="one request through a temporary local cluster (same options as up)")
+    add_cluster_args(p)
+    add_prompt_args(p)
+    add_sampling_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_generate, cmd_parser=p)
+
     p = sub.add_parser("make-tiny", help="write a deterministic tiny Hugging Face-format checkpoint")
     p.add_argument("dir")
     p.add_argument("--type", default="glm_moe_dsa", choices=["deepseek_v3", "deepseek_v32", "glm_moe_dsa"])

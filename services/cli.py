@@ -1,4 +1,4 @@
-"""`cpserve serve prefill|decode`: run one service until SIGINT/SIGTERM.
+"""`cpserve serve prefill|decode|router`: run one service until SIGINT/SIGTERM.
 
 Flags are the fields of the service's config model (services/common/config.py), spelled
 ``--field-name``; each given flag overrides the ``--config`` YAML file's section.
@@ -78,8 +78,59 @@ def build_parser_serve_decode(subparsers) -> argparse.ArgumentParser:
 
 def build_parser_serve(subparsers) -> argparse.ArgumentParser:
     """The `serve` group: `cpserve serve prefill ...`, `cpserve serve decode ...`."""
-    p = subparsers.add_parser("serve", help="run one service (prefill or decode) until stopped")
+    p = subparsers.add_parser("serve", help="run one service (prefill, decode or router) until stopped")
     sub = p.add_subparsers(dest="service", required=True)
     build_parser_serve_prefill(sub)
     build_parser_serve_decode(sub)
+    build_parser_serve_router(sub)
+    return p
+
+
+# ---- router ------------------------------------------------------------------------------------
+def _addresses(values: list[str] | None) -> tuple[str, ...] | None:
+    """Repeated and/or comma-separated host:port lists."""
+    if not values:
+        return None
+    return tuple(a.strip() for v in values for a in v.split(",") if a.strip())
+
+
+def run_serve_router(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    import os
+
+    from services.common.config import RouterConfig
+    from services.router.server import serve_router
+
+    overrides = {name: getattr(args, name, None) for name in RouterConfig.model_fields}
+    overrides.update(prefill=_addresses(args.prefill), decode=_addresses(args.decode),
+                     api_key=args.api_key or os.environ.get("CPSERVE_API_KEY"))
+    config = load_config("router", args.config, overrides)
+    if args.no_grpc:
+        config = config.model_copy(update={"grpc_port": None})
+
+    def serve(cfg):
+        handle = serve_router(cfg)
+        return handle, handle.http_port, handle.shutdown
+
+    return _serve_until_stopped("router", serve, config)
+
+
+def build_parser_serve_router(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("router", help="the router: OpenAI-compatible HTTP and gRPC front, pairs prefill "
+                                             "with decode services")
+    p.add_argument("--config", help="YAML file with prefill:/decode:/router: sections")
+    p.add_argument("--prefill", action="append", help="prefill service host:port (repeat, or comma-separate)")
+    p.add_argument("--decode", action="append", help="decode service host:port (repeat, or comma-separate)")
+    p.add_argument("--model", default=None, help="checkpoint directory or 'tiny' (default): tokenizer and limits")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default 0: a free one)")
+    p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 0: a free one)")
+    p.add_argument("--no-grpc", action="store_true", help="no gRPC front")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set CPSERVE_API_KEY)")
+    p.add_argument("--max-retries", type=int, default=None, help="other pairs tried before the first token (2)")
+    p.add_argument("--request-timeout-s", type=float, default=None, help="per request (600)")
+    p.add_argument("--rpc-timeout-s", type=float, default=None, help="health/Status/Abort calls (5)")
+    p.add_argument("--health-interval-s", type=float, default=None, help="service polling period (2)")
+    p.add_argument("--default-max-tokens", type=int, default=None, help="when a request has no max_tokens (16)")
+    p.set_defaults(handler=run_serve_router, cmd_parser=p)
     return p

@@ -110,3 +110,34 @@ def load_config(section: str, path: str | Path | None = None, overrides: dict[st
         values.update(body)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return build_config(SECTIONS[section], section, values)
+
+
+class RouterConfig(BaseModel):
+    """The router (services/router): which services it pairs, and its two fronts.
+
+    ``port``/``grpc_port`` 0 pick a free port (the handle reports the bound one); ``grpc_port:
+    null`` turns the gRPC front off. The router loads ``model``'s config and tokenizer to
+    validate and tokenize requests; it never loads weights."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefill: tuple[str, ...] = Field(min_length=1)  # host:port of each prefill service
+    decode: tuple[str, ...] = Field(min_length=1)  # host:port of each decode service
+    model: str = "tiny"
+    served_model_name: str | None = None  # the name clients send as "model" (default: ``model``)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)  # HTTP (OpenAI API, /health, /metrics)
+    grpc_port: int | None = Field(0, ge=0, le=65535)
+    api_key: str | None = Field(None, repr=False)  # set: clients must send "Authorization: Bearer <key>"
+    max_retries: int = Field(2, ge=0)  # other pairs tried after a failure before the first token
+    request_timeout_s: float = Field(600.0, gt=0)  # a whole request, arrival to last token
+    rpc_timeout_s: float = Field(5.0, gt=0)  # health, Status and Abort calls
+    health_interval_s: float = Field(2.0, gt=0)  # health and Status polling of every service
+    default_max_tokens: int = Field(16, ge=1)  # for requests without max_tokens
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+SECTIONS["router"] = RouterConfig  # type: ignore[assignment]  (not an engine-backed service)

@@ -155,6 +155,12 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:  # never a stack trace to the client
+        logger.error("unexpected error on %s", request.url.path, exc_info=e)
+        return JSONResponse({"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error",
+                                       "param": None, "code": "internal_error"}}, status_code=500)
+
     def check_key(request: Request) -> None:
         if api_key is None:
             return

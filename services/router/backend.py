@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.rpc import CHANNEL_OPTIONS
 from services.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 # Codes that say nothing about the pair: the same request fails the same way anywhere.
@@ -105,7 +106,8 @@ class PrefillClient(ABC):
     async def status(self, timeout: float) -> PrefillLoad: ...
 
     @abstractmethod
-    async def check_health(self, timeout: float) -> bool: ...
+    async def check_health(self, timeout: float) -> bool:
+        """True if the service says SERVING (grpc.health.v1); BackendError if unreachable."""
 
     async def close(self) -> None:
         pass
@@ -144,14 +146,15 @@ def _error(e: grpc.aio.AioRpcError, address: str) -> BackendError:
 class _GrpcService:
     def __init__(self, address: str):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)  # never through a proxy
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     async def check_health(self, timeout: float) -> bool:
+        """True if SERVING; raises BackendError if the service cannot be reached."""
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.aio.AioRpcError:
-            return False
+        except grpc.aio.AioRpcError as e:
+            raise _error(e, self.address) from None
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:

@@ -12,6 +12,7 @@ import hmac
 import logging
 import math
 import uuid
+from contextlib import aclosing
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,7 +22,8 @@ from services.router.backend import BackendError, Job
 from services.router.completion import CompletionRequest, CompletionRunner, Finished
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Cluster
-from services.router.params import ApiError, MAX_STOP_STRINGS, ModelContext, check_length, invalid, stop_token_set, token_ids
+from services.router.params import (MAX_STOP_STRINGS, ApiError, ModelContext, check_length, invalid, stop_token_set,
+                                    token_ids)
 
 logger = logging.getLogger("cpserve.router")
 
@@ -86,15 +88,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(_STATUS_OF_HTTP.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message)
         sent = False
         try:
-            async for ev in self.runner.run(req):
-                if isinstance(ev, Finished):
-                    yield router_pb2.GenerateEvent(done=router_pb2.GenerateEvent.Done(
-                        finish_reason=_FINISH[ev.reason], prompt_tokens=ev.prompt_tokens,
-                        completion_tokens=ev.completion_tokens, text=ev.text))
-                    return
-                sent = True
-                yield router_pb2.GenerateEvent(token=router_pb2.GenerateEvent.Token(id=ev.id, text=ev.text,
-                                                                                     index=ev.index))
+            async with aclosing(self.runner.run(req)) as events:
+                async for ev in events:
+                    if isinstance(ev, Finished):
+                        yield router_pb2.GenerateEvent(done=router_pb2.GenerateEvent.Done(
+                            finish_reason=_FINISH[ev.reason], prompt_tokens=ev.prompt_tokens,
+                            completion_tokens=ev.completion_tokens, text=ev.text))
+                        return
+                    sent = True
+                    yield router_pb2.GenerateEvent(token=router_pb2.GenerateEvent.Token(id=ev.id, text=ev.text,
+                                                                                         index=ev.index))
         except BackendError as e:
             if not sent:
                 await context.abort(e.code, str(e))
@@ -119,7 +122,8 @@ class GrpcFront:
         await self.server.start()
 
     async def set_serving(self, cluster: Cluster) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if cluster.can_serve else health_pb2.HealthCheckResponse.NOT_SERVING
+        serving = health_pb2.HealthCheckResponse
+        status = serving.SERVING if cluster.can_serve else serving.NOT_SERVING
         for name in ("", "cpserve.router.Router"):
             await self.health.set(name, status)
 

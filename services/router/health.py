@@ -20,7 +20,8 @@ logger = logging.getLogger("cpserve.router")
 
 class HealthMonitor:
     def __init__(self, cluster: Cluster, prefill_clients: dict[str, PrefillClient],
-                 decode_clients: dict[str, DecodeClient], metrics: RouterMetrics, interval_s: float, rpc_timeout_s: float):
+                 decode_clients: dict[str, DecodeClient], metrics: RouterMetrics, interval_s: float,
+                 rpc_timeout_s: float):
         self.cluster, self.metrics = cluster, metrics
         self.clients: dict[str, PrefillClient | DecodeClient] = {**prefill_clients, **decode_clients}
         self.interval_s, self.rpc_timeout_s = interval_s, rpc_timeout_s
@@ -41,7 +42,10 @@ class HealthMonitor:
 
     async def _check(self, e: Endpoint) -> None:
         client = self.clients[e.address]
-        healthy, reason = await client.check_health(self.rpc_timeout_s), "health check: not SERVING"
+        try:
+            healthy, reason = await client.check_health(self.rpc_timeout_s), "health check: not SERVING"
+        except BackendError as err:
+            healthy, reason = False, f"unreachable: {err.code.name}: {err.message}"
         if healthy:
             try:
                 load = await client.status(self.rpc_timeout_s)

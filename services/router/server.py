@@ -20,7 +20,7 @@ import uvicorn
 from services.router.app import build_app
 from services.router.backend import DecodeClient, GrpcDecodeClient, GrpcPrefillClient, PrefillClient
 from services.router.completion import CompletionRunner
-from services.router.config import RouterConfig
+from services.common.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.grpc_front import GrpcFront, RouterServicer
 from services.router.health import HealthMonitor

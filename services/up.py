@@ -1,0 +1,198 @@
+"""`cpserve up` and `cpserve generate`: a whole cluster on this machine.
+
+`up` starts each service as its own process — exactly the `cpserve serve prefill|decode|router`
+commands that containers, Kubernetes and Ray run — waits for each to print its address, prints
+the endpoints and serves until Ctrl-C, then stops every child (each stops its own rank
+processes). `generate` does the same around one request and shuts the cluster down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+START_TIMEOUT_S = 180
+_SERVING = re.compile(r"serving (\w+) on (\S+)")
+
+
+class Child:
+    """One service process; its output is echoed with a prefix once it is up."""
+
+    def __init__(self, kind: str, argv: list[str], quiet: bool = False):
+        self.kind, self.quiet = kind, quiet
+        self.proc = subprocess.Popen([sys.executable, "-m", "cpserve.cli", "serve", kind, *argv],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     start_new_session=True)
+        self.address: str | None = None
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            del self.lines[:-200]
+            m = _SERVING.search(line)
+            if m and m.group(1) == self.kind and self.address is None:
+                self.address = m.group(2)
+                self._ready.set()
+            elif not self.quiet and self._ready.is_set():
+                sys.stderr.write(f"[{self.kind}] {line}")
+        self._ready.set()
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> str:
+        self._ready.wait(timeout_s)
+        if self.address is None:
+            self.stop()
+            tail = "".join(self.lines[-15:])
+            raise RuntimeError(f"the {self.kind} service did not start (exit {self.proc.poll()}):\n{tail}")
+        return self.address
+
+    def stop(self, timeout_s: float = 15) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML file with prefill:/decode:/router: sections")
+    p.add_argument("--model", default=None, help="checkpoint directory or 'tiny' (default)")
+    p.add_argument("--prefill-cp", type=int, default=None, help="prefill context-parallel ranks (default 2)")
+    p.add_argument("--cp-strategy", choices=["interleave", "zigzag"], default=None)
+    p.add_argument("--layer-split", action="store_true", default=None)
+    p.add_argument("--decode-dcp", type=int, default=None, help="decode context-parallel ranks (default 2)")
+    p.add_argument("--indexer", choices=["copied", "split"], default=None)
+    p.add_argument("--dcp-comm", choices=["a2a", "ag_rs"], default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--api-key", default=None)
+
+
+def _flags(pairs: list[tuple[str, object]]) -> list[str]:
+    out = []
+    for flag, value in pairs:
+        if value is None:
+            continue
+        if value is True:
+            out.append(flag)
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0, quiet: bool = False) -> list[Child]:
+    common = _flags([("--config", args.config), ("--model", args.model), ("--host", args.host)])
+    children = []
+    try:
+        prefill = Child("prefill", common + ["--port", "0"] + _flags([
+            ("--cp", args.prefill_cp), ("--strategy", args.cp_strategy), ("--layer-split", args.layer_split)]), quiet)
+        children.append(prefill)
+        decode = Child("decode", common + ["--port", "0"] + _flags([
+            ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm)]), quiet)
+        children.append(decode)
+        p_addr, d_addr = prefill.wait_ready(), decode.wait_ready()
+        router = Child("router", common + _flags([("--port", port), ("--grpc-port", grpc_port),
+                                                  ("--api-key", args.api_key)])
+                       + ["--prefill", p_addr, "--decode", d_addr], quiet)
+        children.append(router)
+        router.wait_ready()
+        return children
+    except BaseException:
+        stop_cluster(children)
+        raise
+
+
+def stop_cluster(children: list[Child]) -> None:
+    for child in reversed(children):
+        child.stop()
+
+
+def run_up(args: argparse.Namespace, parser=None) -> int:
+    t0 = time.perf_counter()
+    print("starting prefill, decode and router services ...", flush=True)
+    children = start_cluster(args, args.port, args.grpc_port)
+    http = children[-1].address
+    print(f"cluster ready in {time.perf_counter() - t0:.1f} s")
+    print(f"  prefill : {children[0].address} (gRPC)")
+    print(f"  decode  : {children[1].address} (gRPC)")
+    print(f"  router  : http://{http}/v1  (OpenAI API; /health, /metrics)")
+    print(f"  try     : curl http://{http}/v1/completions -H 'Content-Type: application/json' "
+          "-d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 8}'")
+    print("Ctrl-C stops every service.", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                print(f"error: the {dead[0].kind} service exited ({dead[0].proc.returncode}); stopping",
+                      file=sys.stderr)
+                return 1
+    finally:
+        stop_cluster(children)
+        print("stopped.")
+    return 0
+
+
+def run_generate(args: argparse.Namespace, parser=None) -> int:
+    import httpx
+
+    from cpserve.cli import print_generation
+
+    children = start_cluster(args, 0, None, quiet=True)
+    try:
+        body = {"model": args.model or "tiny", "max_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "return_token_ids": True, "ignore_eos": args.ignore_eos}
+        if args.top_k:
+            body["top_k"] = args.top_k
+        if args.seed is not None:
+            body["seed"] = args.seed
+        if args.prompt_ids is not None:
+            try:
+                body["prompt"] = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+            except ValueError:
+                parser.error(f"--prompt-ids: expected comma-separated integers, got {args.prompt_ids!r}")
+        else:
+            body["prompt"] = args.prompt
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        t0 = time.perf_counter()
+        first = None
+        ids: list[int] = []
+        with httpx.Client(timeout=600, trust_env=False) as client:
+            with client.stream("POST", f"http://{children[-1].address}/v1/completions",
+                               json={**body, "stream": True}, headers=headers) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    print(f"error: {resp.status_code} {resp.text}", file=sys.stderr)
+                    return 2
+                times = []
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    new = chunk["choices"][0].get("token_ids") or []
+                    if new:
+                        now = time.perf_counter()
+                        first = first or now
+                        times.append(now)
+                        ids += new
+        ttft = (first - t0) * 1e3 if first else float("nan")
+        tpot = (times[-1] - times[0]) * 1e3 / (len(ids) - 1) if len(ids) > 1 else float("nan")
+        from engine.model.tiny import resolve_model_dir
+        from engine.model.tokenizer import load_tokenizer
+
+        print_generation(args, load_tokenizer(resolve_model_dir(args.model or "tiny")), ids, ttft, tpot)
+        return 0
+    finally:
+        stop_cluster(children)

@@ -1,0 +1,747 @@
+"""The router against fake prefill/decode backends (no engines): validation, response and SSE
+shapes through the official openai client, stop strings, token ids, API keys, metrics, retries,
+errors after the first token, client disconnects, the gRPC front, and the gRPC clients against
+fake gRPC services. One end-to-end test with real services is marked slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from services.protos import (common_pb2, decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc, router_pb2,
+                             router_pb2_grpc)
+from services.router.backend import (BackendError, DecodeClient, DecodeLoad, Done, FirstToken, Job, PrefillClient,
+                                     PrefillLoad, Reservation, Token)
+from services.common.config import RouterConfig
+from services.router.pairing import Endpoint, pick_pair
+from services.router.params import stop_token_set
+from services.router.server import serve_router
+from services.router.textstream import TextAssembler
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "tiny"
+EOS = 1  # the tiny model's EOS id (byte tokenizer)
+VOCAB = 320
+TEXT = "The quick brown fox jumps over the lazy dog. "
+TEXT_IDS = [b + 3 for b in TEXT.encode()]  # byte tokenizer: id = byte + 3
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+# ---- fakes -----------------------------------------------------------------------------------
+def reply(job: Job, eos_at: int | None = None) -> tuple[list[int], str]:
+    """What the fake "model" generates for ``job``: TEXT over and over (EOS at ``eos_at``), under
+    the stop rule of common.proto. Returns (ids, finish_reason)."""
+    stop = stop_token_set(job.sampling, (EOS,))
+    ids: list[int] = []
+    for i in range(job.sampling.max_new_tokens):
+        ids.append(EOS if i == eos_at else TEXT_IDS[i % len(TEXT_IDS)])
+        if ids[-1] in stop:
+            return ids, "stop"
+    return ids, "length"
+
+
+class FakePrefill(PrefillClient):
+    def __init__(self, address: str = "p0", fail: BackendError | None = None, eos_at: int | None = None):
+        self.address, self.fail, self.eos_at = address, fail, eos_at
+        self.jobs: list[Job] = []
+        self.healthy = True
+
+    async def prefill(self, job, destination, timeout):
+        self.jobs.append(job)
+        assert destination["reservation"]  # the router passes the decode's destination through
+        if self.fail:
+            raise self.fail
+        return FirstToken(reply(job, self.eos_at)[0][0], 1234, prefill_ms=3.0, transfer_bytes=1000, transfer_ms=2.0)
+
+    async def status(self, timeout):
+        return PrefillLoad(0)
+
+    async def check_health(self, timeout):
+        return self.healthy
+
+
+class FakeDecode(DecodeClient):
+    def __init__(self, address: str = "d0", *, capacity: int = 4096, fail_reserve: BackendError | None = None,
+                 fail_after: int | None = None, fail_code=UNAVAILABLE, block_after: int | None = None,
+                 delay_s: float = 0.0, eos_at: int | None = None):
+        self.address, self.capacity, self.fail_reserve = address, capacity, fail_reserve
+        self.fail_after, self.fail_code, self.block_after = fail_after, fail_code, block_after
+        self.delay_s, self.eos_at = delay_s, eos_at
+        self.reserved: list[str] = []
+        self.aborted: list[str] = []
+        self.cancelled = threading.Event()  # a stream was closed before its end
+        self.healthy = True
+
+    async def reserve(self, job, timeout):
+        if self.fail_reserve:
+            raise self.fail_reserve
+        rid = uuid.uuid4().hex
+        self.reserved.append(rid)
+        return Reservation(rid, {"reservation": rid})
+
+    async def generate(self, job, reservation, first, timeout):
+        assert first.seed == 1234 and reservation.id in self.reserved
+        ids, reason = reply(job, self.eos_at)
+        finished = False
+        try:
+            for i in range(1, len(ids)):
+                if self.fail_after is not None and i > self.fail_after:
+                    raise BackendError(self.fail_code, "rank group died", self.address)
+                if self.block_after is not None and i > self.block_after:
+                    await asyncio.sleep(3600)
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                yield Token(ids[i], i)
+            finished = True
+            yield Done(reason, len(ids))
+        finally:
+            if not finished:
+                self.cancelled.set()
+
+    async def abort(self, reservation, timeout):
+        self.aborted.append(reservation.id)
+
+    async def status(self, timeout):
+        half = self.capacity // 2
+        return DecodeLoad((10, 6), (half - 10, half - 6), queue_depth=1)
+
+    async def check_health(self, timeout):
+        return self.healthy
+
+
+@pytest.fixture
+def start_router():
+    handles = []
+
+    def start(prefills=None, decodes=None, **overrides):
+        prefills = prefills or [FakePrefill()]
+        decodes = decodes or [FakeDecode()]
+        cfg = dict(prefill=tuple(p.address for p in prefills), decode=tuple(d.address for d in decodes), model=MODEL,
+                   health_interval_s=30.0, max_retries=2)
+        handle = serve_router(RouterConfig(**{**cfg, **overrides}), prefills, decodes)
+        handles.append(handle)
+        return handle
+
+    yield start
+    for h in handles:
+        h.shutdown()
+
+
+def client(handle, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{handle.url}/v1", api_key=api_key, max_retries=0, timeout=30,
+                         http_client=openai.DefaultHttpxClient(trust_env=False))  # never through a proxy
+
+
+def post(handle, path: str, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    headers = {"content-type": "application/json", **kw.pop("headers", {})}
+    return httpx.post(f"{handle.url}{path}", content=content, headers=headers, timeout=30, trust_env=False, **kw)
+
+
+def get(handle, path: str) -> httpx.Response:
+    return httpx.get(f"{handle.url}{path}", timeout=30, trust_env=False)
+
+
+def sse_events(resp: httpx.Response) -> list:
+    """The data payloads of an SSE body ("[DONE]" kept as a string)."""
+    out = []
+    for block in resp.text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def wait_for(cond, timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+# ---- pure parts ------------------------------------------------------------------------------
+def test_pick_pair_least_loaded_healthy_and_round_robin():
+    p = [Endpoint("prefill", "p0", healthy=True), Endpoint("prefill", "p1", healthy=True)]
+    d = [Endpoint("decode", "d0", healthy=True), Endpoint("decode", "d1", healthy=True)]
+    d[0].in_flight = 3
+    assert {x.address for x in pick_pair(p, d, set())} == {"p0", "d1"}
+    p[0].in_flight = 1
+    assert [x.address for x in pick_pair(p, d, set())] == ["p1", "d1"]
+    assert [x.address for x in pick_pair(p, d, {("p1", "d1")})] == ["p0", "d1"]
+    d[1].healthy = False
+    assert [x.address for x in pick_pair(p, d, set())] == ["p1", "d0"]
+    assert pick_pair(p, d, {("p0", "d0"), ("p1", "d0")}) is None
+    # equal load: the turn rotates which pair goes first
+    idle_p = [Endpoint("prefill", f"p{i}", healthy=True) for i in range(2)]
+    idle_d = [Endpoint("decode", "d0", healthy=True)]
+    assert {pick_pair(idle_p, idle_d, set(), turn)[0].address for turn in range(2)} == {"p0", "p1"}
+
+
+class _Bytes:
+    def decode(self, ids):
+        return bytes(i - 3 for i in ids).decode("utf-8", errors="replace")
+
+
+def _run_text(text: str, stop=(), stop_ids=frozenset()) -> tuple[list[str], TextAssembler]:
+    asm = TextAssembler(_Bytes(), tuple(stop), stop_ids)
+    deltas = [asm.push(b + 3) for b in text.encode()]
+    deltas.append(asm.flush())
+    return deltas, asm
+
+
+def test_text_assembler_holds_partial_characters_and_stop_prefixes():
+    deltas, asm = _run_text("héllo wörld")
+    assert "".join(deltas) == "héllo wörld" and "\ufffd" not in "".join(deltas) and not asm.stopped
+    deltas, asm = _run_text("one two three", stop=["two"])
+    assert "".join(deltas) == "one " and asm.stopped
+    # a final "w" could begin "wx": held back, then flushed at the end
+    deltas, asm = _run_text("one tw", stop=["wx"])
+    assert deltas[-2:] == ["", "w"] and "".join(deltas) == "one tw" and not asm.stopped
+    # the earliest of several stop strings wins; a stop string spanning many tokens
+    deltas, asm = _run_text("abcdef", stop=["ef", "bcd"])
+    assert "".join(deltas) == "a"
+    # a stop token's text is not rendered
+    asm = TextAssembler(_Bytes(), (), frozenset({ord("!") + 3}))
+    assert [asm.push(i) for i in (ord("a") + 3, ord("!") + 3)] == ["a", ""]
+
+
+# ---- OpenAI shapes ---------------------------------------------------------------------------
+def test_completions_non_streaming_and_streaming_shapes(start_router):
+    h = start_router()
+    c = client(h)
+    r = c.completions.create(model=MODEL, prompt="Hello", max_tokens=9, temperature=0)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    assert r.choices[0].text == TEXT[:9] and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 9, 14)
+
+    chunks = list(c.completions.create(model=MODEL, prompt="Hello", max_tokens=9, stream=True,
+                                       stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == TEXT[:9]
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finals[-1] == "length" and all(f is None for f in finals[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+
+    # raw SSE framing: data: lines, one [DONE] at the very end
+    resp = post(h, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True})
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp)
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == TEXT[:3]
+
+
+def test_chat_completions_shapes_and_template(start_router):
+    prefill = FakePrefill()
+    h = start_router(prefills=[prefill])
+    c = client(h)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == TEXT[:5] and r.choices[0].finish_reason == "length"
+    rendered = bytes(i - 3 for i in prefill.jobs[-1].prompt_ids).decode()
+    assert rendered == "system: be brief\nuser: hi\nassistant: "
+
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == TEXT[:5]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # content as a list of text parts; max_completion_tokens
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                  max_completion_tokens=2)
+    assert r.choices[0].message.content == TEXT[:2]
+
+
+def test_return_token_ids(start_router):
+    h = start_router()
+    c = client(h)
+    r = c.completions.create(model=MODEL, prompt=[72, 105], max_tokens=6, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == TEXT_IDS[:6] and r.choices[0].prompt_token_ids == [72, 105]
+    chunks = list(c.completions.create(model=MODEL, prompt=[72, 105], max_tokens=6, stream=True,
+                                       extra_body={"return_token_ids": True}))
+    assert sum((ch.choices[0].token_ids for ch in chunks), []) == TEXT_IDS[:6]
+    assert chunks[0].choices[0].prompt_token_ids == [72, 105]
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == TEXT_IDS[:3] and len(r.prompt_token_ids) == len("user: x\nassistant: ")
+
+
+def test_stop_strings_cut_text_and_cancel_the_decode_stream(start_router):
+    decode = FakeDecode()
+    h = start_router(decodes=[decode])
+    c = client(h)
+    r = c.completions.create(model=MODEL, prompt="x", max_tokens=40, stop=["fox", "zzz"],
+                             extra_body={"return_token_ids": True})
+    assert r.choices[0].text == "The quick brown " and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].token_ids == TEXT_IDS[:len("The quick brown fox")]  # up to the token completing "fox"
+    assert r.usage.completion_tokens == len("The quick brown fox")
+    assert wait_for(decode.cancelled.is_set)  # the router stopped the stream, freeing the rows
+    chunks = list(c.completions.create(model=MODEL, prompt="x", max_tokens=40, stop="fox", stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == "The quick brown "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # a stop string that never completes: its held-back prefix comes out at the end
+    r = c.completions.create(model=MODEL, prompt="x", max_tokens=4, stop=["Thexx"])
+    assert r.choices[0].text == "The " and r.choices[0].finish_reason == "length"
+
+
+def test_stop_token_ids_and_ignore_eos(start_router):
+    h = start_router(prefills=[FakePrefill(eos_at=5)], decodes=[FakeDecode(eos_at=5)])
+    r = post(h, "/v1/completions", {"prompt": "x", "max_tokens": 12, "return_token_ids": True}).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["token_ids"] == TEXT_IDS[:5] + [EOS]
+    assert r["choices"][0]["text"] == TEXT[:5]  # EOS has no text
+    r = post(h, "/v1/completions", {"prompt": "x", "max_tokens": 12, "ignore_eos": True}).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 12
+    q = TEXT_IDS[2]  # "e"
+    r = post(h, "/v1/completions", {"prompt": "x", "max_tokens": 12, "stop": [q]}).json()
+    assert r["choices"][0]["text"] == "Th" and r["choices"][0]["finish_reason"] == "stop"
+    r = post(h, "/v1/completions", {"prompt": "x", "max_tokens": 12, "stop_token_ids": [q], "ignore_eos": True}).json()
+    assert r["choices"][0]["text"] == "Th"
+
+
+# ---- validation --------------------------------------------------------------------------------
+BAD_COMPLETIONS = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'{"prompt": "x", "temperature": NaN}', 400, None),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "x", "seed": -1}, 400, "seed"),
+    ({"prompt": "x", "seed": 1.5}, 400, "seed"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "x", "model": 3}, 400, "model"),
+    ({"prompt": "x", "foo": 1}, 400, "foo"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": [1, VOCAB]}, 400, "prompt"),
+    ({"prompt": [1, -1]}, 400, "prompt"),
+    ({"prompt": [1, "a"]}, 400, "prompt"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": "x", "stop": 5}, 400, "stop"),
+    ({"prompt": "x", "stop": [VOCAB + 1]}, 400, "stop"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "x", "ignore_eos": "x"}, 400, "ignore_eos"),
+    ({"prompt": "x", "return_token_ids": 1}, 400, "return_token_ids"),
+    ({"prompt": "x", "user": 7}, 400, "user"),
+    ({"prompt": "x" * 64}, 400, "prompt"),  # the fake decode holds 64 tokens
+    ({"prompt": "x" * 40, "max_tokens": 30}, 400, "max_tokens"),
+]
+BAD_CHAT = [
+    ({"max_tokens": 3}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}, 400,
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages[0].name"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3}, 400,
+     "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, 400, "prompt"),
+]
+
+
+def test_bad_requests_are_4xx_naming_the_field_and_the_router_keeps_serving(start_router):
+    h = start_router(decodes=[FakeDecode(capacity=64)])
+    for path, cases in (("/v1/completions", BAD_COMPLETIONS), ("/v1/chat/completions", BAD_CHAT)):
+        for body, status, param in cases:
+            resp = post(h, path, body)
+            assert resp.status_code == status, (path, body, resp.text)
+            err = resp.json()["error"]
+            assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
+            if param:
+                assert param in err["message"], err
+    err = post(h, "/v1/completions", {"prompt": "x" * 64}).json()["error"]
+    assert "64" in err["message"] and err["code"] == "context_length_exceeded"
+    assert post(h, "/v1/completions", {"prompt": "x", "model": "gpt-4"}).json()["error"]["code"] == "model_not_found"
+    # neutral values of unsupported features are fine; the cluster still serves
+    ok = post(h, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 1, "echo": False, "logprobs": None,
+                                     "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u",
+                                     "top_k": -1, "seed": 3})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == TEXT[:2]
+    metrics = get(h, "/metrics").text
+    assert f'cpserve_router_requests_total{{status="invalid"}} {len(BAD_COMPLETIONS) + len(BAD_CHAT) + 2}.0' in metrics
+
+
+def test_api_key(start_router):
+    h = start_router(api_key="s3cret")
+    body = {"prompt": "x", "max_tokens": 2}
+    assert post(h, "/v1/completions", body).status_code == 401
+    wrong = post(h, "/v1/completions", body, headers={"authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert get(h, "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        client(h, "nope").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert client(h, "s3cret").completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text == TEXT[:2]
+    assert [m.id for m in client(h, "s3cret").models.list()] == [MODEL]
+    assert get(h, "/health").status_code == 200  # health and metrics stay open
+
+
+def test_models_health_and_metrics(start_router):
+    h = start_router()
+    c = client(h)
+    models = c.models.list()
+    assert [m.id for m in models] == [MODEL]
+    health = get(h, "/health").json()
+    assert health["status"] == "ok" and health["decode"][0]["healthy"] and health["prefill"][0]["address"] == "p0"
+    for _ in range(3):
+        c.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    text = get(h, "/metrics").text
+    for name in ("cpserve_router_ttft_seconds_count 3.0", "cpserve_router_tpot_seconds_count 3.0",
+                 "cpserve_router_e2e_seconds_count 3.0", 'cpserve_router_requests_total{status="ok"} 3.0',
+                 "cpserve_kv_transfer_bytes_total 3000.0", "cpserve_kv_transfer_seconds_total 0.006",
+                 'cpserve_decode_cache_rows_used{rank="1",service="d0"} 6.0',
+                 'cpserve_decode_cache_rows_free{rank="0",service="d0"} 2038.0',
+                 'cpserve_service_queue_depth{kind="decode",service="d0"} 1.0',
+                 'cpserve_service_healthy{kind="prefill",service="p0"} 1.0', "cpserve_router_in_flight_requests 0.0"):
+        assert name in text, name
+    assert "cpserve_router_ttft_seconds_bucket" in text
+
+
+# ---- failures ----------------------------------------------------------------------------------
+def test_failure_before_first_token_retries_on_another_pair(start_router):
+    bad = FakePrefill("p0", fail=BackendError(UNAVAILABLE, "KV transfer to 127.0.0.1:1 failed", "p0"))
+    good = FakePrefill("p1")
+    decode = FakeDecode()
+    h = start_router(prefills=[bad, good], decodes=[decode])
+    r = client(h).completions.create(model=MODEL, prompt="Hello", max_tokens=5)
+    assert r.choices[0].text == TEXT[:5]
+    assert len(bad.jobs) == 1 and len(good.jobs) == 1
+    assert wait_for(lambda: decode.aborted == decode.reserved[:1])  # the failed attempt's rows were returned
+    assert "cpserve_router_retries_total 1.0" in get(h, "/metrics").text
+
+
+def test_failures_that_exhaust_retries_or_are_final(start_router):
+    # no rows anywhere: 503 + Retry-After after trying every pair
+    full = FakeDecode(fail_reserve=BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, "capacity: no free rows", "d0"))
+    h = start_router(decodes=[full])
+    resp = post(h, "/v1/completions", {"prompt": "x"})
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["code"] == "overloaded"
+    # a service's INVALID_ARGUMENT is the request's fault: 400 naming the field, no retry
+    strict = FakePrefill("p0", fail=BackendError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: too odd", "p0"))
+    other = FakePrefill("p1")
+    h = start_router(prefills=[strict, other])
+    resp = post(h, "/v1/completions", {"prompt": "x"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt" and not other.jobs
+    # every pair fails: bounded retries, then 503
+    prefills = [FakePrefill(f"p{i}", fail=BackendError(UNAVAILABLE, "down", f"p{i}")) for i in range(5)]
+    h = start_router(prefills=prefills, max_retries=2)
+    assert post(h, "/v1/completions", {"prompt": "x"}).status_code == 503
+    assert sum(len(p.jobs) for p in prefills) == 3
+
+
+def test_failure_after_first_token_ends_stream_with_error_and_marks_decode_unhealthy(start_router):
+    decode = FakeDecode(fail_after=3)
+    h = start_router(decodes=[decode])
+    got = []
+    with pytest.raises(openai.APIError) as info:
+        for ch in client(h).completions.create(model=MODEL, prompt="x", max_tokens=10, stream=True):
+            got.append(ch.choices[0].text)
+    assert "".join(got) == TEXT[:4] and "rank group died" in str(info.value)
+    health = get(h, "/health")
+    assert health.status_code == 503 and not health.json()["decode"][0]["healthy"]
+    assert "UNAVAILABLE" in health.json()["decode"][0]["reason"]
+    assert post(h, "/v1/completions", {"prompt": "x"}).status_code == 503  # no healthy pair left
+    text = get(h, "/metrics").text
+    assert 'cpserve_router_requests_total{status="unavailable"} 2.0' in text
+
+
+def test_unhealthy_service_is_left_out_until_it_recovers(start_router):
+    d0, d1 = FakeDecode("d0"), FakeDecode("d1")
+    d0.healthy = False
+    h = start_router(decodes=[d0, d1], health_interval_s=0.1)
+    for _ in range(3):
+        assert post(h, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert not d0.reserved and len(d1.reserved) == 3
+    d0.healthy = True
+    assert wait_for(lambda: all(e["healthy"] for e in get(h, "/health").json()["decode"]))
+    for _ in range(4):
+        post(h, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert d0.reserved  # back in the rotation
+
+
+def test_client_disconnect_cancels_the_backend_stream(start_router):
+    decode = FakeDecode(block_after=2)
+    h = start_router(decodes=[decode])
+    with httpx.stream("POST", f"{h.url}/v1/completions", json={"prompt": "x", "max_tokens": 50, "stream": True},
+                      timeout=30, trust_env=False) as resp:
+        data = (json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: "))
+        assert "".join(next(data)["choices"][0]["text"] for _ in range(3)) == "The"  # the fake now blocks
+    assert wait_for(decode.cancelled.is_set)
+    assert wait_for(lambda: 'status="cancelled"} 1.0' in get(h, "/metrics").text)
+    # non-streaming: the client gives up while the router waits for tokens
+    decode.cancelled.clear()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{h.url}/v1/completions", json={"prompt": "x", "max_tokens": 50}, timeout=0.5,
+                   trust_env=False)
+    assert wait_for(decode.cancelled.is_set)
+    assert wait_for(lambda: "cpserve_router_in_flight_requests 0.0" in get(h, "/metrics").text)
+
+
+# ---- gRPC front ----------------------------------------------------------------------------------
+def test_grpc_front_generate_errors_and_health(start_router):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    h = start_router(api_key="k")
+    with grpc.insecure_channel(f"127.0.0.1:{h.grpc_port}") as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        auth = (("authorization", "Bearer k"),)
+        req = router_pb2.GenerateRequest(text="Hello", sampling=common_pb2.Sampling(max_new_tokens=12), stop=["ick"])
+        events = list(stub.Generate(req, metadata=auth))
+        tokens = [e.token for e in events if e.WhichOneof("event") == "token"]
+        assert [t.index for t in tokens] == list(range(len("The quick")))  # up to the token completing "ick"
+        assert "".join(t.text for t in tokens) == "The qu"
+        done = events[-1].done
+        assert done.finish_reason == router_pb2.FINISH_REASON_STOP and done.completion_tokens == 9
+        assert done.prompt_tokens == 5
+        events = list(stub.Generate(router_pb2.GenerateRequest(ids=router_pb2.PromptIds(ids=[5, 6])), metadata=auth))
+        assert len(events) == 17 and events[-1].done.finish_reason == router_pb2.FINISH_REASON_LENGTH
+        for bad, code, field in [
+            (router_pb2.GenerateRequest(ids=router_pb2.PromptIds(ids=[VOCAB])), grpc.StatusCode.INVALID_ARGUMENT,
+             "ids"),
+            (router_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+            (router_pb2.GenerateRequest(text="x", sampling=common_pb2.Sampling(max_new_tokens=0)),
+             grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_new_tokens"),
+            (router_pb2.GenerateRequest(text="x", model="other"), grpc.StatusCode.NOT_FOUND, "model"),
+        ]:
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(bad, metadata=auth))
+            assert info.value.code() == code and info.value.details().startswith(field), info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(req))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_grpc_front_error_event_after_first_token(start_router):
+    h = start_router(decodes=[FakeDecode(fail_after=2, fail_code=grpc.StatusCode.INTERNAL)])
+    with grpc.insecure_channel(f"127.0.0.1:{h.grpc_port}") as ch:
+        events = list(router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(text="x")))
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds == ["token", "token", "token", "error"]
+    assert events[-1].error.code == router_pb2.ERROR_CODE_INTERNAL and "rank group died" in events[-1].error.message
+
+
+# ---- the gRPC clients, against fake gRPC services (no engines) ----------------------------------
+class FakeDecodeService(decode_pb2_grpc.DecodeServicer):
+    """Decode's wire contract: Reserve → opaque destination, Generate from index 1, Abort, Status."""
+
+    def __init__(self):
+        self.destinations: dict[str, kv_pb2.KvDestination] = {}
+        self.aborted: list[str] = []
+        self.error_after: int | None = None  # stream an UNAVAILABLE Error event after this many tokens
+        self.block = False  # stream one token, then wait for the client to go away
+        self.cancelled = threading.Event()
+
+    def Reserve(self, request, context):
+        rid = uuid.uuid4().hex
+        dest = kv_pb2.KvDestination(reservation_id=rid, dcp=2, page_size=16, slots=range(request.num_tokens),
+                                    decode_address="fake-decode", expires_at_unix_s=time.time() + 30)
+        self.destinations[rid] = dest
+        return dest
+
+    def Generate(self, request, context):
+        assert request.reservation_id in self.destinations and request.seed == 99
+        n = request.sampling.max_new_tokens
+        for i in range(1, n):
+            if self.error_after is not None and i > self.error_after:
+                yield decode_pb2.GenerateEvent(error=decode_pb2.GenerateEvent.Error(
+                    code=decode_pb2.ERROR_CODE_UNAVAILABLE, message="rank 1 died"))
+                return
+            yield decode_pb2.GenerateEvent(token=decode_pb2.GenerateEvent.Token(id=TEXT_IDS[i], index=i))
+            while self.block and context.is_active():
+                time.sleep(0.01)
+            if not context.is_active():
+                self.cancelled.set()
+                return
+        yield decode_pb2.GenerateEvent(done=decode_pb2.GenerateEvent.Done(
+            finish_reason=decode_pb2.FINISH_REASON_LENGTH, num_tokens=n))
+
+    def Abort(self, request, context):
+        self.aborted.append(request.reservation_id)
+        return decode_pb2.AbortResponse(freed=True)
+
+    def Status(self, request, context):
+        return decode_pb2.DecodeStatus(dcp=2, rows_used=[4, 4], rows_free=[60, 60], queue_depth=2, serving=True)
+
+
+class FakePrefillService(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, decode: FakeDecodeService):
+        self.decode = decode
+        self.same_destination = []  # did each request carry exactly what Reserve returned?
+
+    def Prefill(self, request, context):
+        sent = self.decode.destinations.get(request.destination.reservation_id)
+        self.same_destination.append(sent is not None and sent.SerializeToString(deterministic=True)
+                                     == request.destination.SerializeToString(deterministic=True))
+        return prefill_pb2.PrefillResponse(first_token=TEXT_IDS[0], seed=99, prefill_ms=1.0, transfer_bytes=4096,
+                                           transfer_ms=0.5)
+
+    def Status(self, request, context):
+        return prefill_pb2.ServiceStatus(cp=2, queue_depth=0, serving=True)
+
+
+@pytest.fixture
+def fake_grpc_services():
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    decode = FakeDecodeService()
+    prefill = FakePrefillService(decode)
+    servers, addresses = [], []
+    for add, servicer in ((prefill_pb2_grpc.add_PrefillServicer_to_server, prefill),
+                          (decode_pb2_grpc.add_DecodeServicer_to_server, decode)):
+        server = grpc.server(futures.ThreadPoolExecutor(8))
+        add(servicer, server)
+        h = health.HealthServicer()
+        h.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(h, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append(server)
+    yield prefill, decode, addresses
+    for server in servers:
+        server.stop(0)
+
+
+def test_grpc_clients_relay_the_protocol(fake_grpc_services):
+    prefill, decode, (p_addr, d_addr) = fake_grpc_services
+    h = serve_router(RouterConfig(prefill=(p_addr,), decode=(d_addr,), model=MODEL, health_interval_s=30))
+    try:
+        r = client(h).completions.create(model=MODEL, prompt="x", max_tokens=7)
+        assert r.choices[0].text == TEXT[:7] and r.choices[0].finish_reason == "length"
+        assert prefill.same_destination == [True]  # the router copied the destination untouched
+        text = get(h, "/metrics").text
+        assert f'cpserve_decode_cache_rows_free{{rank="1",service="{d_addr}"}} 60.0' in text
+        assert "cpserve_kv_transfer_bytes_total 4096.0" in text
+        # client gone mid-stream: the router cancels the decode call
+        decode.block = True
+        with httpx.stream("POST", f"{h.url}/v1/completions", json={"prompt": "x", "max_tokens": 9, "stream": True},
+                          timeout=30, trust_env=False) as resp:
+            data = (line for line in resp.iter_lines() if line.startswith("data: "))
+            next(data), next(data)  # token 1 came from the decode stream: the call is open
+        assert wait_for(decode.cancelled.is_set)
+        decode.block = False
+        # an UNAVAILABLE Error event after the first token: error to the client, decode marked unhealthy
+        decode.error_after = 2
+        resp = post(h, "/v1/completions", {"prompt": "x", "max_tokens": 9, "stream": True})
+        events = sse_events(resp)
+        assert "rank 1 died" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+        assert get(h, "/health").json()["decode"][0]["healthy"] is False
+    finally:
+        h.shutdown()
+
+
+# ---- end to end, real services --------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_end_to_end_real_services_match_the_reference():
+    """prefill CP=2 → decode DCP=2 through the router, via the openai client: greedy tokens equal
+    the one-process reference (ignore_eos, so both run max_tokens)."""
+    from engine.model.sampler import SamplingParams
+    from engine.reference import ReferenceEngine
+    from services.common.config import DecodeConfig, PrefillConfig
+    from services.decode.server import serve_decode
+    from services.prefill.server import serve_prefill
+
+    n = 12
+    prompts = ["Context parallelism splits long prompts across ranks.", "Hi"]
+    ref = ReferenceEngine(MODEL)
+    expected = [seq.output_ids for seq in ref.generate([ref.tokenizer.encode(p) for p in prompts],
+                                                       SamplingParams(max_new_tokens=n, stop_token_ids=()))]
+    started = []
+    try:
+        started.append(serve_decode(DecodeConfig(dcp=2, port=0, max_cache_tokens=4096)))
+        started.append(serve_prefill(PrefillConfig(cp=2, port=0, max_cache_tokens=4096)))
+        (_, d_port, _), (_, p_port, _) = started
+        h = serve_router(RouterConfig(prefill=(f"127.0.0.1:{p_port}",), decode=(f"127.0.0.1:{d_port}",),
+                                      model=MODEL))
+        started.append((None, None, h.shutdown))
+        c = client(h)
+        extra = {"ignore_eos": True, "return_token_ids": True}
+        r = c.completions.create(model=MODEL, prompt=prompts[0], max_tokens=n, temperature=0, extra_body=extra)
+        assert r.choices[0].token_ids == expected[0]
+        assert r.choices[0].text == ref.tokenizer.decode(expected[0]) and r.choices[0].finish_reason == "length"
+        chunks = list(c.completions.create(model=MODEL, prompt=prompts[1], max_tokens=n, temperature=0, stream=True,
+                                           extra_body=extra))
+        assert sum((ch.choices[0].token_ids for ch in chunks), []) == expected[1]
+        text = get(h, "/metrics").text
+        assert "cpserve_router_ttft_seconds_count 2.0" in text and 'status="ok"} 2.0' in text
+        assert "cpserve_kv_transfer_bytes_total 0.0" not in text
+        assert get(h, "/health").json()["status"] == "ok"
+    finally:
+        for _, _, shutdown in reversed(started):
+            shutdown()
+
+
+# ---- configuration and the command line -----------------------------------------------------------
+def test_router_config_from_yaml_and_cli_serve_router(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from services.common.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"router": {"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2"],
+                                               "max_retries": 1, "grpc_port": None}}))
+    cfg = load_config("router", path, {"port": 0, "api_key": None})
+    assert (cfg.prefill, cfg.max_retries, cfg.grpc_port, cfg.host, cfg.model_name) == (("127.0.0.1:1",), 1, None,
+                                                                                          "127.0.0.1", "tiny")
+    with pytest.raises(ConfigError, match="router.decode"):
+        load_config("router", None, {"prefill": ["a:1"]})
+    with pytest.raises(ConfigError, match="router.max_retries"):
+        load_config("router", path, {"max_retries": -1})
+
+    proc = subprocess.Popen([sys.executable, "-m", "cpserve.cli", "serve", "router", "--config", str(path),
+                             "--decode", "127.0.0.1:3,127.0.0.1:4", "--health-interval-s", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ,
+                                                                                             "CPSERVE_API_KEY": "k"})
+    try:
+        address = next(line.split()[-1] for line in proc.stdout if line.startswith("serving router on "))
+        health = httpx.get(f"http://{address}/health", timeout=10, trust_env=False)
+        assert health.status_code == 503
+        body = health.json()
+        assert [d["address"] for d in body["decode"]] == ["127.0.0.1:3", "127.0.0.1:4"]
+        assert body["prefill"][0]["reason"].startswith("unreachable")
+        assert httpx.get(f"http://{address}/v1/models", timeout=10, trust_env=False).status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
