@@ -97,6 +97,39 @@ def shard_for_dcp(lm: CausalLM, rank: int, world: int, replicate_q_proj: bool) -
 
 
 # ---- cache access of one DCP rank ------------------------------------------------------------
+class PendingSelection:
+    """A split-index selection: per request, the positions to attend to (None = all), known
+    once every rank's candidates are gathered. Indexable like the list it stands for."""
+
+    def __init__(self, cand: torch.Tensor, take_all: list[bool], k: int):
+        self.cand, self.take_all, self.k = cand, take_all, k
+        self.positions: list | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return self.positions is not None
+
+    def resolve(self, gathered: torch.Tensor) -> None:
+        """gathered [C, B, k, 2]: the exact global top-k under (score desc, position asc)."""
+        out = []
+        for b, take_all in enumerate(self.take_all):
+            if take_all:
+                out.append(None)
+                continue
+            c = gathered[:, b].reshape(-1, 2)
+            c = c[c[:, 1] >= 0]
+            order = torch.argsort(c[:, 1])
+            s, p = c[order, 0], c[order, 1].long()
+            keep = topk_mask(s[None], self.k, torch.ones(1, s.numel(), dtype=torch.bool))[0]
+            out.append(p[keep])
+        self.positions = out
+
+    def __getitem__(self, b: int):
+        if self.positions is None:
+            raise RuntimeError("split-index selection used before its candidates were gathered")
+        return self.positions[b]
+
+
 class DCPKV:
     """KVAccess of a DCP rank for one decode step (see the module docstring)."""
 
@@ -138,6 +171,12 @@ class DCPKV:
         return self._split_select(layer, iq, iw, k, indexer)
 
     def _split_select(self, layer, iq, iw, k, indexer):
+        """Local top-k candidates; the global top-k is taken once they are all-gathered.
+
+        Without ``replicate_q_proj`` the candidates ride on the query all-gather of the same
+        layer (one collective fewer per indexer layer): the selection stays pending until
+        ``decode_attention`` gathers both. With it, they take an all-gather of their own.
+        """
         r = self.r
         # (fp32 score, position) pairs: 8 bytes a candidate; positions < 2^24 are exact in fp32.
         cand = torch.full((len(self.req_slots), k, 2), float("-inf"), dtype=torch.float32)
@@ -153,37 +192,37 @@ class DCPKV:
             keep = topk_mask(scores[None], k, torch.ones(1, pos.numel(), dtype=torch.bool))[0]
             cand[b, : int(keep.sum()), 0] = scores[keep].float()
             cand[b, : int(keep.sum()), 1] = pos[keep].float()
+        r.bytes_sent["index_candidates"] += cand.numel() * cand.element_size()
+        pending = PendingSelection(cand, [slots.numel() <= k for slots in self.req_slots], k)
+        if not r.replicate_q_proj and r.world > 1:
+            return pending
         gathered = torch.empty(r.world * cand.shape[0], *cand.shape[1:], dtype=cand.dtype)
         dist.all_gather_single(gathered, cand, group=r.group)
-        gathered = gathered.view(r.world, *cand.shape)
-        r.bytes_sent["index_candidates"] += cand.numel() * cand.element_size()
-        out = []
-        for b, slots in enumerate(self.req_slots):
-            if slots.numel() <= k:
-                out.append(None)
-                continue
-            c = gathered[:, b].reshape(-1, 2)
-            c = c[c[:, 1] >= 0]
-            order = torch.argsort(c[:, 1])
-            s, p = c[order, 0], c[order, 1].long()
-            keep = topk_mask(s[None], k, torch.ones(1, s.numel(), dtype=torch.bool))[0]
-            out.append(p[keep])
-        return out
+        pending.resolve(gathered.view(r.world, *cand.shape))
+        return pending
 
-    def _gather_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H/C, d] head slices → [B, H, d] on every rank."""
+    def _gather_heads(self, x: torch.Tensor, extra: torch.Tensor | None = None):
+        """[B, H/C, d] head slices → [B, H, d] on every rank; `extra` [B, ...] rides along and
+        comes back as [C, B, ...]."""
         r = self.r
-        out = torch.empty(r.world * x.shape[0], *x.shape[1:], dtype=x.dtype)
-        dist.all_gather_single(out, x.contiguous(), group=r.group)
-        out = out.view(r.world, *x.shape)
+        b = x.shape[0]
+        packed = x.reshape(b, -1) if extra is None else torch.cat([x.reshape(b, -1), extra.reshape(b, -1)], dim=1)
+        out = torch.empty(r.world * b, packed.shape[1], dtype=packed.dtype)
+        dist.all_gather_single(out, packed.contiguous(), group=r.group)
+        out = out.view(r.world, b, -1)
         r.bytes_sent["q_all_gather"] += x.numel() * x.element_size()
-        return out.permute(1, 0, 2, 3).reshape(x.shape[0], -1, x.shape[2])
+        q = out[..., : x[0].numel()].reshape(r.world, *x.shape).permute(1, 0, 2, 3).reshape(b, -1, x.shape[2])
+        rest = None if extra is None else out[..., x[0].numel() :].reshape(r.world, *extra.shape)
+        return q, rest
 
     def decode_attention(self, layer, q_lat, q_rope, sel, scale):
         r = self.r
         heads = r.cfg.num_heads
         if q_lat.shape[1] != heads:
-            q = self._gather_heads(torch.cat([q_lat, q_rope], dim=-1))
+            ride = sel.cand if isinstance(sel, PendingSelection) and not sel.resolved else None
+            q, cands = self._gather_heads(torch.cat([q_lat, q_rope], dim=-1), ride)
+            if ride is not None:
+                sel.resolve(cands)
             q_lat, q_rope = q[..., : r.cfg.kv_lora_rank], q[..., r.cfg.kv_lora_rank :]
         rows = []
         for b, slots in enumerate(self.req_slots):
@@ -236,6 +275,7 @@ class DecodeRank:
             raise ValueError(f"indexer: {indexer!r} is not one of {', '.join(INDEXERS)}")
         self.rank, self.world, self.group = ctx.rank, ctx.world_size, ctx.group
         self.exchange, self.indexer, self.dtype = exchange, indexer, parse_dtype(dtype)
+        self.replicate_q_proj = replicate_q_proj
         self.lm = load_model(model_dir, dtype)
         self.cfg = self.lm.cfg
         if indexer == "split" and self.cfg.max_position_embeddings >= 1 << 24:

@@ -1,0 +1,301 @@
+"""Prefill context parallelism (CP): load balance of the layouts, C=1 vs C=2 prefill time, and
+all-gather bytes against the formula — all measured in one run.
+
+    python bench/prefill_cp.py [--quick] [--json] [--lengths 4096,16384] [--strategies zigzag,interleave]
+                               [--repeats 1] [--balance-tokens 131072] [--balance-cp 8]
+
+(a) Balance. Per-rank causal query-key pairs (``RankLayout.pairs`` from
+    ``engine.parallel.layout.split_batch``) of one prompt of 131,072 tokens over C = 8 ranks, for
+    interleave, zigzag and contiguous; max/mean against the targets (zigzag 1.000, interleave
+    <= 1.001, contiguous (2C-1)/C = 1.875).
+
+(b) Scaling. Prefill of the same prompt on a C=1 group and on a C=2 group (one thread per rank,
+    so C=2 uses both cores of this machine and C=1 one: the same compute per rank), warm-up
+    first, chunk_size >= the prompt (one forward, no chunking). T = max over ranks of the
+    per-rank forward seconds (``CPRunner.rank_seconds`` deltas); the wall TTFT is shown next to
+    it. Scaling efficiency = T1 / (2 * T2); target >= 0.8 at 16k. Each rank's CPU seconds (from
+    /proc) are shown too: CPU share = CPU s / forward s (below ~0.95 the rank was off-CPU: other
+    processes on the cores, or waiting for its peer), and a CPU-seconds efficiency, which says
+    whether CP splits the work even when the machine is shared. With --repeats, the fastest
+    prefill of each engine is reported. One C=1 engine and one C=2
+    engine per strategy serve every length (group start-ups are the expensive part), and all
+    engines stay open so C=1 and C=2 run back to back for each length.
+
+    The model is a tiny ``glm_moe_dsa`` checkpoint made "wide" so that attention dominates:
+    8 heads with q/k head dim 96 (64 nope + 32 rope) and v head dim 64, so every query-key pair
+    costs 2*8*(96+64) = 2,560 flops, while hidden 128, a 128-wide dense MLP (no routed experts),
+    q/kv LoRA ranks 64 and 2 layers keep the per-token linear work near 0.5 Mflop per layer.
+    A query at position p reads p+1 keys (the engine's masked SDPA even computes the whole
+    1,024-query x L-key rectangle), so attention is >= 90% of the flops at 4k and >= 97% at 16k.
+    ``index_topk`` (131,072) exceeds every prompt, so the DSA selection keeps every causal key:
+    attention is dense, yet the model keeps an indexer layer ("full", stores index keys) and a
+    "shared" layer, so part (c) checks both kinds of all-gather entry. The indexer (2 heads x
+    64) adds ~10% more quadratic work on layer 0, split by CP like the attention.
+
+(c) All-gather bytes. ``stats`` ``gathered_bytes`` deltas over one C=2 prefill against the
+    formula: per layer every rank receives C * max_tokens_per_rank rows (the padded
+    all-gather output) of (latent_dim + index_head_dim on indexer layers) * 4 bytes (fp32).
+    Reported as padded bytes (the formula; should equal the measurement) and useful bytes
+    (tokens x entry bytes), and their ratio. An odd-length prompt is added so the zigzag
+    padding shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+
+from common import base_parser, emit_json, print_table, save_plot
+
+BALANCE_TARGETS = {"zigzag": ("== 1.000", lambda r, c: abs(r - 1.0) < 1e-9),
+                   "interleave": ("<= 1.001", lambda r, c: r <= 1.001),
+                   "contiguous": ("(2C-1)/C", None)}
+EFFICIENCY_TARGET = 0.8
+FP32_BYTES = 4
+WIDE_MODEL = dict(
+    num_hidden_layers=2, hidden_size=128, intermediate_size=128, first_k_dense_replace=2, n_routed_experts=0,
+    num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=64,
+    qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+    index_topk=131072, index_head_dim=64, index_n_heads=2,
+    indexer_types=["full", "shared"], mlp_layer_types=["dense", "dense"],
+)
+
+
+# ---------------------------------------------------------------------------------- (a)
+
+def part_a(num_tokens: int, cp: int) -> tuple[list[list], dict]:
+    from engine.parallel.layout import split_batch
+
+    rows, figures = [], {"tokens": num_tokens, "cp": cp, "layouts": {}}
+    for strategy in ("interleave", "zigzag", "contiguous"):
+        layout = split_batch([num_tokens], [0], cp, strategy)
+        pairs = [r.pairs for r in layout.ranks]
+        mean = sum(pairs) / cp
+        ratio = max(pairs) / mean
+        label, check = BALANCE_TARGETS[strategy]
+        target = (2 * cp - 1) / cp
+        ok = abs(ratio - target) < 1e-3 if check is None else check(ratio, cp)
+        label = f"{label} = {target:.3f}" if check is None else label
+        rows.append([strategy, " ".join(f"{p / 1e9:.3f}" for p in pairs), f"{max(pairs) / 1e9:.3f}",
+                     f"{mean / 1e9:.3f}", f"{ratio:.4f}", label, "yes" if ok else "NO"])
+        figures["layouts"][strategy] = {"pairs_per_rank": pairs, "max": max(pairs), "mean": mean,
+                                        "max_over_mean": ratio, "target": label, "meets_target": ok}
+    return rows, figures
+
+
+# ---------------------------------------------------------------------------------- (b), (c)
+
+def make_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    import torch
+
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def prefill(engine, prompt: list[int]) -> dict:
+    """One prefill (max_new_tokens=1): per-rank forward seconds, wall TTFT, gathered-byte deltas,
+    and each rank's CPU share (CPU seconds / forward seconds: < 1 means it waited, on a peer or
+    on other processes competing for the cores)."""
+    from engine.model.sampler import SamplingParams
+
+    before_s = list(engine.runner.rank_seconds)
+    before_b = [s["gathered_bytes"] for s in engine.group.call("stats")]
+    before_cpu = [cpu_seconds(pid) for pid in engine.group.pids]
+    seq = engine.generate([prompt], SamplingParams(max_new_tokens=1, stop_token_ids=()))[0]
+    cpu = [cpu_seconds(pid) - b for pid, b in zip(engine.group.pids, before_cpu)]
+    rank_s = [a - b for a, b in zip(engine.runner.rank_seconds, before_s)]
+    gathered = [s["gathered_bytes"] - b for s, b in zip(engine.group.call("stats"), before_b)]
+    return {"rank_s": rank_s, "t": max(rank_s), "ttft_s": seq.ttft_ms / 1e3, "gathered_bytes": gathered,
+            "cpu_s": cpu, "cpu_share": [c / t for c, t in zip(cpu, rank_s)]}
+
+
+def gather_formula(cfg, n: int, cp: int, strategy: str) -> dict:
+    """Bytes each rank receives from the all-gathers of one prefill of n new tokens (no prefix)."""
+    from engine.parallel.layout import split_batch
+
+    width = split_batch([n], [0], cp, strategy).max_tokens_per_rank
+    entry = [(cfg.latent_dim + (cfg.index_head_dim if layer in cfg.indexer_layer_ids else 0)) * FP32_BYTES
+             for layer in range(cfg.num_layers)]
+    padded = sum(cp * width * e for e in entry)
+    useful = sum(n * e for e in entry)
+    return {"tokens": n, "max_tokens_per_rank": width, "entry_bytes_per_layer": entry,
+            "padded_bytes_per_layer": [cp * width * e for e in entry],
+            "useful_bytes_per_layer": [n * e for e in entry],
+            "padded_bytes": padded, "useful_bytes": useful, "padded_over_useful": padded / useful}
+
+
+def parts_b_c(lengths: list[int], strategies: list[str], repeats: int, odd_length: int):
+    from engine.model.config import ModelConfig
+    from engine.model.tiny import make_tiny
+    from engine.prefill_engine import CPPrefillEngine
+
+    rows_b, rows_c = [], []
+    fig_b = {"model": {"model_type": "glm_moe_dsa", **WIDE_MODEL}, "threads_per_rank": 1, "repeats": repeats,
+             "target_efficiency_at_largest": EFFICIENCY_TARGET, "results": []}
+    fig_c = {"results": []}
+    startup_s = {}
+    with tempfile.TemporaryDirectory(prefix="cpserve-bench-") as tmp, contextlib.ExitStack() as stack:
+        model_dir = make_tiny(f"{tmp}/wide", "glm_moe_dsa", seed=0, **WIDE_MODEL)
+        cfg = ModelConfig.from_dir(model_dir)
+        top = max(lengths + [odd_length])
+        common = dict(model=str(model_dir), layer_split=False, dtype="fp32", chunk_size=top, page_size=16,
+                      max_cache_tokens=2 * top + 1024, threads_per_rank=1)
+        engines = {}
+        for key, cp, strategy in [("C=1", 1, strategies[0])] + [(f"C=2 {s}", 2, s) for s in strategies]:
+            t0 = time.perf_counter()
+            engines[key] = stack.enter_context(CPPrefillEngine(cp=cp, strategy=strategy, **common))
+            startup_s[key] = time.perf_counter() - t0
+        warm = make_prompt(256, cfg.vocab_size, 1)
+        for engine in engines.values():
+            prefill(engine, warm)
+        for n in lengths:
+            prompt = make_prompt(n, cfg.vocab_size, n)
+            runs = {key: [] for key in engines}
+            for _ in range(repeats):  # C=1 and C=2 back to back, so background load hits both alike
+                for key, engine in engines.items():
+                    runs[key].append(prefill(engine, prompt))
+            best1 = min(runs["C=1"], key=lambda r: r["t"])
+            t1, ttft1 = best1["t"], min(r["ttft_s"] for r in runs["C=1"])
+            for s in strategies:
+                key = f"C=2 {s}"
+                best2 = min(runs[key], key=lambda r: r["t"])
+                t2, ttft2 = best2["t"], min(r["ttft_s"] for r in runs[key])
+                eff, eff_wall = t1 / (2 * t2), ttft1 / (2 * ttft2)
+                eff_cpu = best1["cpu_s"][0] / (2 * max(best2["cpu_s"]))
+                rows_b.append([n, s, t1, t2, " / ".join(f"{x:.2f}" for x in best2["rank_s"]), eff, ttft1, ttft2,
+                               eff_wall, f"{best1['cpu_share'][0]:.2f}",
+                               " / ".join(f"{x:.2f}" for x in best2["cpu_share"]), eff_cpu])
+                fig_b["results"].append({
+                    "tokens": n, "strategy": s, "t1_s": t1, "t2_s": t2,
+                    "t1_runs_s": [r["t"] for r in runs["C=1"]], "t2_runs_s": [r["t"] for r in runs[key]],
+                    "t2_rank_s": best2["rank_s"], "ttft1_s": ttft1, "ttft2_s": ttft2,
+                    "efficiency": eff, "efficiency_wall": eff_wall,
+                    "cpu_s_c1": best1["cpu_s"], "cpu_s_c2": best2["cpu_s"], "efficiency_cpu": eff_cpu,
+                    "cpu_share_c1": best1["cpu_share"], "cpu_share_c2": best2["cpu_share"]})
+                for r in runs[key][:1]:
+                    rows_c.append(c_row(cfg, n, s, r, fig_c))
+        odd = make_prompt(odd_length, cfg.vocab_size, odd_length)
+        for s in strategies:
+            rows_c.append(c_row(cfg, odd_length, s, prefill(engines[f"C=2 {s}"], odd), fig_c))
+    fig_b["startup_s"] = startup_s
+    largest = [r for r in fig_b["results"] if r["tokens"] == max(lengths)]
+    fig_b["efficiency_at_largest"] = {r["strategy"]: r["efficiency"] for r in largest}
+    return rows_b, fig_b, rows_c, fig_c
+
+
+def c_row(cfg, n: int, strategy: str, run: dict, fig_c: dict) -> list:
+    f = gather_formula(cfg, n, 2, strategy)
+    measured = run["gathered_bytes"]
+    match = all(m == f["padded_bytes"] for m in measured)
+    fig_c["results"].append({"strategy": strategy, "cp": 2, **f, "measured_bytes_per_rank": measured,
+                             "matches_formula": match})
+    return [n, strategy, f["max_tokens_per_rank"], "+".join(str(e) for e in f["entry_bytes_per_layer"]),
+            " / ".join(f"{m:,}" for m in measured), f"{f['padded_bytes']:,}", "yes" if match else "NO",
+            f"{f['useful_bytes']:,}", f"{f['padded_over_useful']:.5f}"]
+
+
+# ---------------------------------------------------------------------------------- plot
+
+def plot(fig_a: dict, fig_b: dict, fig_c: dict, out_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    cp = fig_a["cp"]
+    width = 0.8 / len(fig_a["layouts"])
+    for i, (s, d) in enumerate(fig_a["layouts"].items()):
+        xs = [r + (i - 1) * width for r in range(cp)]
+        ax[0].bar(xs, [p / d["mean"] for p in d["pairs_per_rank"]], width,
+                  label=f"{s} (max/mean {d['max_over_mean']:.3f})")
+    ax[0].axhline(1.0, color="k", lw=0.8)
+    ax[0].set_xlabel("rank")
+    ax[0].set_ylabel("causal pairs / mean")
+    ax[0].set_title(f"(a) balance, {fig_a['tokens']:,} tokens, C={cp}")
+    ax[0].legend(fontsize=8)
+
+    res = fig_b["results"]
+    labels = [f"{r['tokens'] // 1024}k {r['strategy']}" for r in res]
+    xs = range(len(res))
+    ax[1].bar([x - 0.2 for x in xs], [r["t1_s"] for r in res], 0.4, label="T1 (C=1)")
+    ax[1].bar([x + 0.2 for x in xs], [r["t2_s"] for r in res], 0.4, label="T2 (C=2)")
+    for x, r in zip(xs, res):
+        ax[1].text(x, max(r["t1_s"], r["t2_s"]), f"eff {r['efficiency']:.2f}\nCPU-s {r['efficiency_cpu']:.2f}",
+                   ha="center", va="bottom", fontsize=8)
+    ax[1].set_xticks(list(xs), labels, fontsize=8)
+    ax[1].set_ylabel("max rank forward seconds")
+    ax[1].margins(y=0.2)
+    ax[1].set_title(f"(b) prefill, 1 thread/rank (target eff >= {EFFICIENCY_TARGET})")
+    ax[1].legend(fontsize=8)
+
+    rc = fig_c["results"]
+    xs = range(len(rc))
+    ax[2].bar([x - 0.2 for x in xs], [r["padded_bytes"] / 2**20 for r in rc], 0.4, label="padded (formula)")
+    ax[2].bar([x + 0.2 for x in xs], [r["useful_bytes"] / 2**20 for r in rc], 0.4, label="useful")
+    ax[2].plot(list(xs), [r["measured_bytes_per_rank"][0] / 2**20 for r in rc], "kx", label="measured (rank 0)")
+    ax[2].set_xticks(list(xs), [f"{r['tokens']} {r['strategy'][:3]}" for r in rc], fontsize=8)
+    ax[2].set_ylabel("MiB received per rank per prefill")
+    ax[2].set_title("(c) all-gather bytes, C=2")
+    ax[2].legend(fontsize=8)
+    save_plot(fig, out_dir, "prefill_cp.png")
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--lengths", default="4096,16384", help="prompt lengths for (b) (--quick: 2048,4096)")
+    p.add_argument("--strategies", default="zigzag,interleave", help="C=2 strategies for (b) (--quick: zigzag)")
+    p.add_argument("--repeats", type=int, default=1, help="prefills per (length, engine); the fastest is reported")
+    p.add_argument("--balance-tokens", type=int, default=131072)
+    p.add_argument("--balance-cp", type=int, default=8)
+    p.add_argument("--odd-length", type=int, default=1001, help="extra prompt for (c) that needs padding")
+    args = p.parse_args()
+    lengths = [2048, 4096] if args.quick else [int(x) for x in args.lengths.split(",")]
+    strategies = ["zigzag"] if args.quick else [s for s in args.strategies.split(",") if s]
+    t_start = time.perf_counter()
+
+    rows_a, fig_a = part_a(args.balance_tokens, args.balance_cp)
+    print_table(f"(a) causal query-key pairs per rank (billions), {args.balance_tokens:,} tokens, C={args.balance_cp}",
+                ["layout", "pairs per rank (1e9)", "max", "mean", "max/mean", "target", "meets"], rows_a)
+
+    rows_b, fig_b, rows_c, fig_c = parts_b_c(lengths, strategies, args.repeats, args.odd_length)
+    print_table("(b) prefill C=1 vs C=2, 1 thread per rank, wide glm_moe_dsa (dense attention), no chunking; "
+                "T = max rank forward s",
+                ["tokens", "strategy", "T1 s", "T2 s", "T2 per rank s", "eff T1/(2·T2)", "TTFT1 s", "TTFT2 s",
+                 "eff (wall)", "CPU share C=1", "CPU share C=2", "eff CPU-s"], rows_b)
+    print("CPU share = rank CPU seconds / rank forward seconds; below ~0.95 the rank was off-CPU (waiting for its "
+          "peer in an all-gather, or for other processes using the cores), so T is not compute-only. "
+          "eff CPU-s = C=1 CPU seconds / (2 x max C=2 rank CPU seconds): how evenly CP splits the work, "
+          "whatever else runs on the machine.")
+    print(f"target: efficiency >= {EFFICIENCY_TARGET} at 16,384 tokens (largest here: {max(lengths):,}); "
+          "group start-ups: " + ", ".join(f"{k} {v:.1f}s" for k, v in fig_b["startup_s"].items()))
+    low = min(min(r["cpu_share_c1"] + r["cpu_share_c2"]) for r in fig_b["results"])
+    fig_b["min_cpu_share"] = low
+    if low < 0.9:
+        print(f"warning: a rank ran only {low:.0%} of its forward time: other processes were using the cores, "
+              "so T1/T2 are skewed (C=2 needs both cores, C=1 one); compare 'eff CPU-s', or rerun on an idle machine.")
+    print_table("(c) all-gather bytes received per rank over one C=2 prefill vs formula "
+                "C·max_tokens_per_rank·Σ_layers entry bytes",
+                ["tokens", "strategy", "max tok/rank", "entry B/layer", "measured B (rank 0 / 1)", "formula (padded) B",
+                 "match", "useful B (tokens·entry)", "padded/useful"], rows_c)
+
+    plot(fig_a, fig_b, fig_c, args.out)
+    elapsed = time.perf_counter() - t_start
+    print(f"runtime: {elapsed:.1f} s")
+    emit_json(args.json, {"quick": args.quick, "balance": fig_a, "scaling": fig_b, "allgather": fig_c,
+                          "runtime_s": elapsed})
+
+
+if __name__ == "__main__":
+    main()
