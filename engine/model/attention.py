@@ -33,6 +33,11 @@ def extend_attention(
     Returns out [Tq, H, dv] and, if asked, lse [Tq, H] (base e).
     """
     if not return_lse:
+        dv = v.shape[-1]
+        if dv < q.shape[-1]:
+            # torch's fused CPU kernel needs equal q/k and v head dims; zero columns cost less
+            # than the unfused fallback (measured 2.2x on a 1024 x 8192 chunk).
+            v = F.pad(v, (0, q.shape[-1] - dv))
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
@@ -40,7 +45,7 @@ def extend_attention(
             attn_mask=mask,
             scale=scale,
         )
-        return out.squeeze(0).transpose(0, 1), None
+        return out.squeeze(0).transpose(0, 1)[..., :dv], None
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]

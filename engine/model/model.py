@@ -267,22 +267,24 @@ class Attention(nn.Module):
             for c0 in range(0, req.q_index.numel(), EXTEND_QUERY_CHUNK):
                 qi = req.q_index[c0 : c0 + EXTEND_QUERY_CHUNK]
                 qp = req.q_pos[c0 : c0 + EXTEND_QUERY_CHUNK]
-                mask = key_pos[None, :] <= qp[:, None]
+                hi = int(qp.max()) + 1  # keys past the chunk's last query are never visible to it
+                mask = key_pos[None, :hi] <= qp[:, None]
                 if mode == "own":
-                    scores = self.indexer.scores(iq[qi], iw[qi], keys_idx)
+                    scores = self.indexer.scores(iq[qi], iw[qi], keys_idx[:hi])
                     mask = topk_mask(scores, cfg.index_topk, mask)
                 elif mode == "reuse":
                     mask = prev_sel[i][len(req_sel)]
                 req_sel.append(mask)
                 q = torch.cat([q_nope[qi], q_rope[qi]], dim=-1)
-                if mode != "dense" and latent.shape[0] >= SPARSE_MIN_KEYS_PER_SELECTED * cfg.index_topk:
-                    out[qi] = sparse_extend_attention(q, k, v, mask, self.scale, cfg.index_topk)
+                if mode != "dense" and hi >= SPARSE_MIN_KEYS_PER_SELECTED * cfg.index_topk:
+                    out[qi] = sparse_extend_attention(q, k[:hi], v[:hi], mask, self.scale, cfg.index_topk)
                 else:
-                    out[qi] = extend_attention(q, k, v, mask, self.scale)[0]
+                    out[qi] = extend_attention(q, k[:hi], v[:hi], mask, self.scale)[0]
             sels.append(req_sel)
         if batch.trace is not None and mode != "dense":
             batch.trace[self.layer] = [
-                (req.q_pos, torch.cat(s) if s else torch.zeros(0, req.kv_len, dtype=torch.bool))
+                (req.q_pos, torch.cat([F.pad(m, (0, req.kv_len - m.shape[1])) for m in s]) if s
+                 else torch.zeros(0, req.kv_len, dtype=torch.bool))
                 for req, s in zip(batch.requests, sels)]
         return out, (sels if mode != "dense" else None)
 
