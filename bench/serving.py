@@ -1,0 +1,612 @@
+"""Serving latency and throughput over HTTP: the disaggregated cluster vs one reference engine,
+both behind the same router, measured side by side in one run.
+
+    python bench/serving.py [--quick] [--json] [--concurrency 1,8,32] [--requests N]
+                            [--prompt-lengths 64,1024] [--max-tokens 32] [--ref-threads 1]
+
+Systems (both started by this script, both on 127.0.0.1, both reached through the router's
+OpenAI HTTP front by the same load generator in this process):
+
+- ``cluster``: ``services.up.start_cluster`` exactly like ``cpserve up`` — a prefill service
+  (CP 2, two rank processes), a decode service (DCP 2, two rank processes) and a router, each
+  its own process; one thread per rank (the services' default). Prompt KV moves prefill → decode
+  over the TCP transfer engine.
+- ``reference``: one ``ReferenceEngine`` (``--ref-threads`` torch threads) in a child process of
+  this script, on the services' engine thread (services/common/engine_loop.py), behind the very
+  same router code (``serve_router`` with in-process backends, :class:`LocalBackend`): the
+  router's Reserve is a local object, Prefill adds the request to the engine and waits for its
+  first token, Generate streams the rest of that same sequence. Continuous batching comes from
+  the engine's scheduler (requests join and leave every step; prefill chunks go first, so new
+  arrivals pause the running decodes). No KV moves anywhere.
+
+Load: a fixed, seeded set of prompts (lengths uniform in ``--prompt-lengths``), streaming
+``/v1/completions`` with ``temperature 0``, ``ignore_eos``, ``max_tokens`` and
+``return_token_ids``; ``--requests`` per level (default max(8, 2 x concurrency)) taken by N
+closed-loop asyncio workers (N = concurrency), each request timing its first token and the rest.
+Request i of a level uses prompt i on both systems, so every completed pair is compared token
+id for token id (greedy: both must agree exactly). Levels run in turn on both systems (order
+alternating per level) after one warm-up request per system; a level stops starting new requests after
+``--level-timeout`` seconds.
+
+Figures per (system, concurrency): TTFT = request sent → first token chunk received (median,
+p90); TPOT = (last token - first token) / (tokens - 1) per request, median; throughput = output
+tokens of completed requests / (first request sent → last request done).
+
+What this comparison means here. This machine has 2 CPU cores shared with other work. The
+cluster is 7 processes on them (4 rank processes, prefill/decode/router services); every CP/DCP
+collective needs both ranks of a group on a core at the same moment, the prefill and decode
+groups compete for the same 2 cores, and the KV hand-off and each token's gRPC hop cost CPU that
+the one-process engine never spends. Disaggregation buys isolation (prefill does not stall
+decode, each side scales on its own hardware) that 2 shared cores cannot give, so the ratios
+here measure the overhead of the distributed path (processes, collectives, KV transfer, gRPC)
+on the tiny model, not what CP/DCP gains on real accelerators with long contexts: expect the
+cluster to be slower per request. One effect does show even here: under load the reference
+engine runs new arrivals' prefill chunks before its running decodes, so its TPOT grows with
+concurrency, while the cluster's decode group keeps stepping as the prefill group works (its
+TPOT stays flatter; its TTFT grows instead, the prefill service running one prefill at a time).
+``--ref-threads`` defaults to 1: with other work on the cores a 2-thread torch engine
+spin-waits and ran ~20x slower than with 1 thread here (the cluster's ranks use 1 thread each).
+The reference's router and engine share one Python process (GIL), as a monolithic server's
+would; the load generator (this process) is the same for both systems. Numbers move with
+whatever else runs on the machine; the systems alternate per level to share that noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from common import base_parser, emit_json, print_table, save_plot
+
+_READY = "serving reference on "
+SYSTEMS = ("cluster", "reference")
+
+
+# ---- the reference engine as the router's backend ---------------------------------------------
+class LocalBackend:
+    """One ReferenceEngine on an engine thread, seen by the router as one prefill and one decode
+    service (``self.prefill``, ``self.decode``).
+
+    The reservation's destination is a :class:`_Request` (a local object: the router passes it
+    through to ``prefill`` without opening it). ``prefill`` adds the sequence to the engine and
+    waits for its first token; the engine thread keeps decoding it and queues every later token
+    (and the final ``Done``) on the request, from where ``generate`` streams them. Engine state is
+    touched on the loop thread only; tokens reach the router's asyncio loop through one
+    ``call_soon_threadsafe`` per step.
+    """
+
+    def __init__(self, model: str, max_cache_tokens: int = 1 << 16, max_queue: int = 256):
+        from engine.reference import ReferenceEngine
+        from services.common.engine_loop import EngineLoop
+
+        engine = ReferenceEngine(model, max_cache_tokens=max_cache_tokens)
+        self.cfg, self.page_size = engine.cfg, engine.scheduler.page_size
+        self._streams: dict[int, _Request] = {}  # loop thread only
+        self._aio: asyncio.AbstractEventLoop | None = None  # the router's loop (set on first reserve)
+        self._ids = iter(range(1 << 62))
+        self.loop = EngineLoop(engine, "reference", max_queue, on_failure=self._failed,
+                               has_work=lambda e: e.has_work, tick=self._step, snapshot=self._snapshot)
+        local_prefill, local_decode = _backend_classes()
+        self.prefill, self.decode = local_prefill(self), local_decode(self)
+
+    # ---- loop thread ------------------------------------------------------------------------
+    def _snapshot(self, engine) -> tuple[int, int]:
+        alloc = engine.allocator
+        return (alloc.num_pages - alloc.num_free) * self.page_size, alloc.num_free * self.page_size
+
+    def _step(self, engine) -> None:
+        from services.router.backend import Done, Token
+
+        out = []
+        for seq, token in engine.step():
+            req = self._streams.get(seq.id)
+            if req is None:
+                continue
+            out.append((req, Token(token, len(seq.output_ids) - 1)))
+            if seq.is_finished:
+                del self._streams[seq.id]
+                out.append((req, Done(seq.finish_reason, len(seq.output_ids))))
+        self._deliver(out)
+
+    def _add(self, engine, req: "_Request", prompt: list[int], params) -> int:
+        import grpc
+
+        from services.router.backend import BackendError
+
+        if req.cancelled:
+            raise BackendError(grpc.StatusCode.CANCELLED, "the request was aborted", "reference")
+        req.seq = engine.add_request(prompt, params)
+        self._streams[req.seq.id] = req
+        return req.seq.seed
+
+    def _cancel(self, engine, req: "_Request") -> None:
+        req.cancelled = True
+        if req.seq is not None:
+            self._streams.pop(req.seq.id, None)
+            if not req.seq.is_finished:
+                engine.abort(req.seq)
+
+    def _failed(self, message: str) -> None:
+        import grpc
+
+        from services.router.backend import BackendError
+
+        streams, self._streams = self._streams, {}
+        err = BackendError(grpc.StatusCode.UNAVAILABLE, message, "reference")
+        self._deliver([(req, err) for req in streams.values()])
+
+    def _deliver(self, items: list) -> None:
+        if not items or self._aio is None:
+            return
+
+        def put_all() -> None:
+            for req, item in items:
+                req.events.put_nowait(item)
+
+        try:
+            self._aio.call_soon_threadsafe(put_all)
+        except RuntimeError:  # the router's loop is closed (shutdown)
+            pass
+
+    # ---- router side (its asyncio loop) -----------------------------------------------------
+    async def run(self, fn, admit: bool = False):
+        import grpc
+
+        from engine.model.sampler import InvalidRequest
+        from services.common.rpc import QueueFull, ServiceUnavailable
+        from services.router.backend import BackendError
+
+        try:
+            return await asyncio.wrap_future(self.loop.submit(fn, admit))
+        except InvalidRequest as e:
+            raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(e), "reference") from None
+        except QueueFull as e:
+            raise BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), "reference") from None
+        except ServiceUnavailable as e:
+            raise BackendError(grpc.StatusCode.UNAVAILABLE, str(e), "reference") from None
+
+    async def check_health(self, timeout: float) -> bool:
+        return self.loop.failure is None
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.loop.stop)
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    events: asyncio.Queue
+    seq: object = None  # engine.scheduler.Sequence, set on the loop thread by _add
+    cancelled: bool = False  # loop thread only
+
+
+def _backend_classes():
+    """The two adaptors, built lazily so ``--help`` and the load generator don't import torch."""
+    import grpc
+
+    from services.common.convert import sampling_from_proto
+    from services.router.backend import (BackendError, DecodeClient, DecodeLoad, Done, FirstToken, PrefillClient,
+                                         PrefillLoad, Reservation)
+
+    async def next_event(req: _Request, timeout: float):
+        try:
+            item = await asyncio.wait_for(req.events.get(), timeout)
+        except asyncio.TimeoutError:
+            raise BackendError(grpc.StatusCode.DEADLINE_EXCEEDED, "no token within the timeout", "reference") from None
+        if isinstance(item, BackendError):
+            raise item
+        return item
+
+    class LocalPrefill(PrefillClient):
+        address = "reference-prefill"
+
+        def __init__(self, core: LocalBackend):
+            self.core = core
+
+        async def prefill(self, job, destination: _Request, timeout: float) -> FirstToken:
+            params = sampling_from_proto(job.sampling, tuple(self.core.cfg.eos_token_ids))
+            seed = await self.core.run(lambda e: self.core._add(e, destination, list(job.prompt_ids), params),
+                                       admit=True)
+            t0 = time.perf_counter()
+            first = await next_event(destination, timeout)
+            return FirstToken(first.id, seed, prefill_ms=(time.perf_counter() - t0) * 1e3)
+
+        async def status(self, timeout: float) -> PrefillLoad:
+            return PrefillLoad(self.core.loop.queue_depth, self.core.loop.failure is None)
+
+        async def check_health(self, timeout: float) -> bool:
+            return await self.core.check_health(timeout)
+
+        async def close(self) -> None:
+            await self.core.close()
+
+    class LocalDecode(DecodeClient):
+        address = "reference-decode"
+
+        def __init__(self, core: LocalBackend):
+            self.core = core
+
+        async def reserve(self, job, timeout: float) -> Reservation:
+            self.core._aio = asyncio.get_running_loop()
+            req = _Request(f"local-{next(self.core._ids)}", asyncio.Queue())
+            return Reservation(req.id, req)
+
+        async def generate(self, job, reservation: Reservation, first: FirstToken, timeout: float):
+            req: _Request = reservation.destination
+            finished = False
+            try:
+                while True:
+                    item = await next_event(req, timeout)
+                    if isinstance(item, Done):
+                        finished = True
+                        yield item
+                        return
+                    yield item
+            finally:
+                if not finished:
+                    self.core.loop.post(lambda e: self.core._cancel(e, req))
+
+        async def abort(self, reservation: Reservation, timeout: float) -> None:
+            self.core.loop.post(lambda e: self.core._cancel(e, reservation.destination))
+
+        async def status(self, timeout: float) -> DecodeLoad:
+            used, free = self.core.loop.snapshot
+            return DecodeLoad((used,), (free,), self.core.loop.queue_depth, self.core.loop.failure is None)
+
+        async def check_health(self, timeout: float) -> bool:
+            return await self.core.check_health(timeout)
+
+        async def close(self) -> None:
+            await self.core.close()
+
+    return LocalPrefill, LocalDecode
+
+
+def serve_reference(args: argparse.Namespace) -> None:
+    """Child-process mode: the reference engine behind the router until stdin closes or SIGTERM."""
+    import logging
+
+    import torch
+
+    from services.common.config import RouterConfig
+    from services.router.server import serve_router
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.ref_threads)
+    core = LocalBackend(args.model)
+    config = RouterConfig(prefill=(core.prefill.address,), decode=(core.decode.address,), model=args.model,
+                          host="127.0.0.1", port=0, grpc_port=None)
+    handle = serve_router(config, prefill_clients=[core.prefill], decode_clients=[core.decode])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    print(f"{_READY}{handle.host}:{handle.http_port}", flush=True)
+    stop.wait()
+    handle.shutdown()
+    core.loop.stop()
+
+
+class ReferenceServer:
+    """The child process running :func:`serve_reference`."""
+
+    def __init__(self, model: str, threads: int):
+        argv = [sys.executable, os.path.abspath(__file__), "--serve-reference", "--model", model,
+                "--ref-threads", str(threads)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1, start_new_session=True)
+        self.address: str | None = None
+        self.ready_at = float("nan")
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith(_READY) and self.address is None:
+                self.address, self.ready_at = line[len(_READY):].strip(), time.perf_counter()
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout_s: float = 120) -> str:
+        self._ready.wait(timeout_s)
+        if self.address is None:
+            self.stop()
+            raise RuntimeError("the reference server did not start:\n" + "".join(self.lines[-15:]))
+        return self.address
+
+    def signal_stop(self) -> None:
+        """Ask the child to stop (closing its stdin) without waiting."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.signal_stop()
+                self.proc.wait(20)
+            except (subprocess.TimeoutExpired, OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+# ---- the load generator -------------------------------------------------------------------------
+@dataclass
+class Result:
+    index: int
+    prompt_tokens: int
+    ttft_ms: float = float("nan")
+    tpot_ms: float = float("nan")
+    ids: list[int] = field(default_factory=list)
+    end: float = 0.0
+    error: str | None = None
+
+
+async def one_request(client, url: str, model: str, index: int, prompt: list[int], max_tokens: int) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+    res = Result(index, len(prompt))
+    times: list[float] = []
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = str(chunk["error"].get("message"))[:200]
+                    break
+                new = chunk["choices"][0].get("token_ids") or [] if chunk.get("choices") else []
+                if new:
+                    now = time.perf_counter()
+                    times += [now] * len(new)
+                    res.ids += new
+    except Exception as e:  # a timeout or a dropped connection counts as a failed request
+        res.error = f"{type(e).__name__}: {e}"
+    res.end = time.perf_counter()
+    if times:
+        res.ttft_ms = (times[0] - t0) * 1e3
+        if len(times) > 1:
+            res.tpot_ms = (times[-1] - times[0]) * 1e3 / (len(times) - 1)
+    if res.error is None and len(res.ids) != max_tokens:
+        res.error = f"{len(res.ids)} tokens, expected {max_tokens}"
+    return res
+
+
+async def run_level(url: str, model: str, prompts: list[list[int]], n: int, concurrency: int, max_tokens: int,
+                    level_timeout_s: float, bar) -> dict:
+    import httpx
+
+    results: list[Result] = []
+    indices = iter(range(n))
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(level_timeout_s + 120),
+                                 limits=limits) as client:
+        start = time.perf_counter()
+        stop_at = start + level_timeout_s
+
+        async def worker() -> None:
+            for i in indices:  # one shared iterator: each worker takes the next request when free
+                if time.perf_counter() > stop_at:
+                    return
+                results.append(await one_request(client, url, model, i, prompts[i], max_tokens))
+                bar.update(1)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    ok = [r for r in results if r.error is None]
+    wall = (max(r.end for r in results) - start) if results else float("nan")
+    ttft = sorted(r.ttft_ms for r in ok)
+    tpot = [r.tpot_ms for r in ok if r.tpot_ms == r.tpot_ms]
+    return {
+        "concurrency": concurrency, "requests": n, "completed": len(ok), "failed": len(results) - len(ok),
+        "not_started": n - len(results),
+        "ttft_ms_median": statistics.median(ttft) if ttft else float("nan"),
+        "ttft_ms_p90": percentile(ttft, 90),
+        "tpot_ms_median": statistics.median(tpot) if tpot else float("nan"),
+        "throughput_tok_s": sum(len(r.ids) for r in ok) / wall if ok else 0.0,
+        "wall_s": wall,
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "_ids": {r.index: r.ids for r in ok},
+    }
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile of an ascending list."""
+    if not sorted_values:
+        return float("nan")
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+# ---- main ---------------------------------------------------------------------------------------
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,8,32; --quick 1,8)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per level (default max(8, 2 x concurrency); --quick max(4, concurrency))")
+    p.add_argument("--prompt-lengths", default=None, help="min,max prompt tokens (default 64,1024; --quick 32,256)")
+    p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 32; --quick 12)")
+    p.add_argument("--ref-threads", type=int, default=1, help="torch threads of the reference engine (default 1)")
+    p.add_argument("--level-timeout", type=float, default=None,
+                   help="seconds after which a level starts no new requests (default 300; --quick 20)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--serve-reference", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve_reference:
+        serve_reference(args)
+        return
+
+    from tqdm import tqdm
+
+    from engine.model.config import ModelConfig
+    from services.up import start_cluster, stop_cluster
+
+    t_all = time.perf_counter()
+    levels = [int(x) for x in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",")]
+    lo, hi = (int(x) for x in (args.prompt_lengths or ("32,256" if args.quick else "64,1024")).split(","))
+    max_tokens = args.max_tokens or (12 if args.quick else 32)
+    level_timeout = args.level_timeout or (20.0 if args.quick else 300.0)
+
+    def per_level(c: int) -> int:
+        return args.requests or (max(4, c) if args.quick else max(8, 2 * c))
+
+    vocab = ModelConfig.load(args.model).vocab_size
+    prompts = make_prompts(max(per_level(c) for c in levels), lo, hi, vocab, args.seed)
+
+    # Both systems start at once (the reference loads while the cluster's ranks come up).
+    t0 = time.perf_counter()
+    ref = ReferenceServer(args.model, args.ref_threads)
+    cluster_ns = argparse.Namespace(config=None, model=args.model, prefill_cp=2, cp_strategy="interleave",
+                                    layer_split=None, decode_dcp=2, indexer="copied", dcp_comm="a2a",
+                                    host="127.0.0.1", api_key=None)
+    children = []
+    try:
+        print("starting the cluster (prefill CP 2, decode DCP 2, router) and the reference server ...",
+              file=sys.stderr, flush=True)
+        children = start_cluster(cluster_ns, 0, None, quiet=True)
+        startup = {"cluster": time.perf_counter() - t0}
+        ref.wait_ready()
+        startup["reference"] = ref.ready_at - t0
+        urls = {"cluster": f"http://{children[-1].address}", "reference": f"http://{ref.address}"}
+
+        async def warm_up(url: str) -> None:
+            import httpx
+
+            async with httpx.AsyncClient(trust_env=False, timeout=120) as client:
+                r = await one_request(client, url, args.model, -1, prompts[0][:16], 2)
+            if r.error:
+                raise RuntimeError(f"warm-up request to {url} failed: {r.error}")
+
+        for name in SYSTEMS:
+            asyncio.run(warm_up(urls[name]))
+
+        stats: dict[tuple[str, int], dict] = {}
+        total = 2 * sum(per_level(c) for c in levels)
+        with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
+            for li, c in enumerate(levels):
+                order = SYSTEMS if li % 2 == 0 else SYSTEMS[::-1]
+                for name in order:
+                    bar.set_postfix_str(f"{name} c={c}")
+                    n = per_level(c)
+                    stats[name, c] = asyncio.run(run_level(urls[name], args.model, prompts, n, c, max_tokens,
+                                                           level_timeout, bar))
+                    bar.update(n - stats[name, c]["completed"] - stats[name, c]["failed"])  # not started
+    finally:
+        t_stop = time.perf_counter()
+        # Every service shuts down at once (each takes seconds: gRPC grace, rank groups), then wait.
+        for child in children:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        ref.signal_stop()
+        stop_cluster(children)
+        ref.stop()
+        shutdown_s = time.perf_counter() - t_stop
+
+    # ---- token ids: the same prompt must give the same ids on both systems --------------------
+    compared, mismatches = 0, []
+    for c in levels:
+        a, b = stats["cluster", c]["_ids"], stats["reference", c]["_ids"]
+        for i in sorted(set(a) & set(b)):
+            compared += 1
+            if a[i] != b[i]:
+                at = next((k for k, (x, y) in enumerate(zip(a[i], b[i])) if x != y), min(len(a[i]), len(b[i])))
+                mismatches.append(f"c={c} request {i} ({len(prompts[i])} prompt tokens): first differs at "
+                                  f"output {at}")
+    match = compared > 0 and not mismatches
+
+    # ---- table ------------------------------------------------------------------------------
+    rows = []
+    for c in levels:
+        for name in SYSTEMS:
+            s = stats[name, c]
+            rows.append([name, c, s["ttft_ms_median"], s["ttft_ms_p90"], s["tpot_ms_median"], s["throughput_tok_s"],
+                         f"{s['completed']}/{s['requests']}"])
+    ratios = []
+    for c in levels:
+        cl, rf = stats["cluster", c], stats["reference", c]
+        ratios.append({"concurrency": c,
+                       "ttft_median": ratio(cl["ttft_ms_median"], rf["ttft_ms_median"]),
+                       "ttft_p90": ratio(cl["ttft_ms_p90"], rf["ttft_ms_p90"]),
+                       "tpot_median": ratio(cl["tpot_ms_median"], rf["tpot_ms_median"]),
+                       "throughput": ratio(cl["throughput_tok_s"], rf["throughput_tok_s"])})
+        rows.append(["cluster/reference", c, ratios[-1]["ttft_median"], ratios[-1]["ttft_p90"],
+                     ratios[-1]["tpot_median"], ratios[-1]["throughput"], ""])
+    print_table(f"serving over HTTP: cluster (prefill CP 2 + decode DCP 2) vs reference engine "
+                f"({args.ref_threads} thread{'s' if args.ref_threads > 1 else ''}), {args.model}, prompts {lo}-{hi} "
+                f"tokens, {max_tokens} output tokens, {os.cpu_count()} CPUs",
+                ["system", "concurrency", "TTFT ms median", "TTFT ms p90", "TPOT ms median", "output tok/s",
+                 "completed"], rows)
+    for (name, c), s in stats.items():
+        if s["failed"] or s["not_started"]:
+            print(f"{name} c={c}: {s['failed']} failed, {s['not_started']} not started (level timeout "
+                  f"{level_timeout:g} s); {'; '.join(s['errors'])}")
+    print(f"token ids: {'MATCH' if match else 'MISMATCH'} — {compared - len(mismatches)}/{compared} requests "
+          f"identical (cluster vs reference)")
+    for m in mismatches[:5]:
+        print(f"  {m}")
+    print(f"start-up: cluster {startup['cluster']:.1f} s, reference {startup['reference']:.1f} s (started together); "
+          f"shut-down {shutdown_s:.1f} s")
+
+    # ---- plot -------------------------------------------------------------------------------
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(12, 3.6))
+    panels = [("ttft_ms_median", "TTFT ms (median)"), ("tpot_ms_median", "TPOT ms (median)"),
+              ("throughput_tok_s", "output tokens/s")]
+    for name, marker in zip(SYSTEMS, "os"):
+        for i, (key, title) in enumerate(panels):
+            ax[i].plot(levels, [stats[name, c][key] for c in levels], marker=marker, label=name)
+            ax[i].set_title(title)
+            ax[i].set_xlabel("concurrency")
+            ax[i].set_xscale("log", base=2)
+            ax[i].set_xticks(levels, [str(c) for c in levels])
+            ax[i].legend()
+    save_plot(fig, args.out, "serving.png")
+    wall = time.perf_counter() - t_all
+    print(f"wall time: {wall:.1f} s")
+
+    emit_json(args.json, {
+        "model": args.model, "ref_threads": args.ref_threads, "cpus": os.cpu_count(), "max_tokens": max_tokens,
+        "prompt_lengths": [lo, hi], "quick": args.quick, "startup_s": startup, "shutdown_s": shutdown_s,
+        "wall_s": wall,
+        "results": [{"system": name, **{k: v for k, v in stats[name, c].items() if k != "_ids"}}
+                    for c in levels for name in SYSTEMS],
+        "ratios_cluster_over_reference": ratios,
+        "token_ids_match": match, "token_ids_compared": compared, "token_ids_mismatched": len(mismatches),
+    })
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and b == b and a == a else float("nan")
+
+
+if __name__ == "__main__":
+    main()
