@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import threading
+import types
 import typing
 
 from services.common.config import DecodeConfig, PrefillConfig, load_config
@@ -25,7 +26,10 @@ def _add_config_flags(p: argparse.ArgumentParser, model: type) -> None:
         elif typing.get_origin(info.annotation) is typing.Literal:
             p.add_argument(flag, choices=typing.get_args(info.annotation), default=None, help=hint)
         else:
-            p.add_argument(flag, type=info.annotation, default=None, help=hint)
+            kind = info.annotation
+            if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `X | None`
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            p.add_argument(flag, type=kind, default=None, help=hint)
 
 
 def _overrides(args: argparse.Namespace, model: type) -> dict:
@@ -102,7 +106,7 @@ def run_serve_router(args: argparse.Namespace, parser: argparse.ArgumentParser |
 
     overrides = {name: getattr(args, name, None) for name in RouterConfig.model_fields}
     overrides.update(prefill=_addresses(args.prefill), decode=_addresses(args.decode),
-                     api_key=args.api_key or os.environ.get("CPSERVE_API_KEY"))
+                     api_key=args.api_key or os.environ.get("CPSERVE_API_KEY") or None)
     config = load_config("router", args.config, overrides)
     if args.no_grpc:
         config = config.model_copy(update={"grpc_port": None})

@@ -36,7 +36,18 @@ class _ServiceConfig(BaseModel):
     port: int = Field(0, ge=0, le=65535)  # 0: pick a free port
     kv_protocol: Literal["tcp", "rdma"] = "tcp"
     kv_host: str = "127.0.0.1"  # address the KV transfer engine listens on
+    advertise_host: str | None = None  # address peers use to reach this service (default: host)
     max_queue: int = Field(64, ge=1)  # requests waiting for the engine; more → RESOURCE_EXHAUSTED
+
+
+    @property
+    def advertised_host(self) -> str:
+        """Where peers dial this service: `advertise_host`, else `host` — never a wildcard."""
+        host = self.advertise_host or self.host
+        if host in ("0.0.0.0", "::", ""):
+            raise ValueError("advertise_host: the service binds a wildcard address; set advertise_host to an "
+                             "address its peers can reach")
+        return host
 
 
 class PrefillConfig(_ServiceConfig):

@@ -202,7 +202,7 @@ def serve_decode(config: DecodeConfig, engine: DCPDecodeEngine | None = None):
         engine.close()
         raise
     health.append(h)
-    service.address = rpc.address(config.host, port)
+    service.address = rpc.address(config.advertised_host, port)
     h.set_serving(service.loop.failure is None)
     logger.info("serving decode on %s (dcp=%d, %s, %s index, model %s)", service.address, config.dcp,
                 config.dcp_comm, config.indexer, config.model)

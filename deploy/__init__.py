@@ -1,0 +1,1 @@
+"""Deployment recipes for cpserve (not part of the installed package; run from the repo root)."""
