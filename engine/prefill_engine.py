@@ -6,7 +6,8 @@ the same rows, so one numbering serves all) and sends each step plan to the grou
 
 from __future__ import annotations
 
-from dataclasses import replace
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from engine.cache.slots import pages_needed
@@ -22,6 +23,17 @@ from kvtransfer.plan import plan_transfer, writes_by_rank
 from kvtransfer.transport import TransferError
 
 STRATEGIES = ("interleave", "zigzag")
+
+
+@dataclass
+class PendingPrefill:
+    """A prefill waiting for its forwards and its KV hand-off; `future` gets the Sequence."""
+
+    seq: Sequence
+    dest: KvDestination
+    before_write: Callable[[], None] | None
+    future: Future = field(default_factory=Future)
+    transfer_stats: list | None = None
 
 
 class CPPrefillEngine(Engine):
@@ -49,38 +61,67 @@ class CPPrefillEngine(Engine):
                          CPRunner(self.group, trace))
         self.dtype = dtype
         self.fingerprint = layout_fingerprint(self.cfg, dtype)
+        self.pending: list[PendingPrefill] = []
 
     # ---- the KV hand-off (prefill side) --------------------------------------------------
-    def prefill_to(self, prompt_ids: list[int], params: SamplingParams, dest: KvDestination,
-                   before_write: Callable[[], None] | None = None) -> Sequence:
-        """Prefill `prompt_ids`, sample its first token, and write every cache entry into the
-        decode rows that `dest` reserved. The layout is checked before any compute; a transfer
-        failure raises TransferError naming the peer; the prefill rows are released either way.
-        `before_write` (e.g. the decode service's BeginWrite) runs after compute, before the
-        first byte is sent, and may refuse."""
+    def submit_prefill(self, prompt_ids: list[int], params: SamplingParams, dest: KvDestination,
+                       before_write: Callable[[], None] | None = None) -> "PendingPrefill":
+        """Queue a prefill whose KV goes to `dest`. The layout is checked here, before any
+        compute. Requests submitted together are prefilled in the same forwards (batched);
+        `finish_ready()` after each `step()` hands off the ones whose prompt is done."""
         check_fingerprint(self.fingerprint, dest.fingerprint)
         dest.validate_for(len(prompt_ids))
         seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1))
         seq.keep_pages = True
-        try:
-            while not seq.is_finished:
-                self.step()
-            if before_write is not None:
-                before_write()
-            n = len(prompt_ids)
-            writes = plan_transfer(
-                num_tokens=n, prefill_cp=self.cp, layer_split=self.layer_split, num_layers=self.cfg.num_layers,
-                indexer_layers=list(self.cfg.indexer_layer_ids), src_slots=self.scheduler.slots(seq, n).tolist(),
-                decode_dcp=dest.dcp, dst_slots=list(dest.slots[:n]), decode_index=dest.index_mode,
-                decode_prefix=dest.prefix)
-            results = self.group.call("push", writes_by_rank(writes), dest)
-            self.transfer_stats = results
-            for r in results:
-                if not r["ok"]:
-                    raise TransferError(r.get("peer") or "decode", r["error"])
-            return seq
-        finally:
-            if not seq.is_finished:
-                self.scheduler.abort(seq)
-            self.scheduler.release(seq)
+        pending = PendingPrefill(seq, dest, before_write)
+        self.pending.append(pending)
+        return pending
+
+    def finish_ready(self) -> list["PendingPrefill"]:
+        """Send the KV of every pending request whose first token is sampled; resolve its future
+        (the Sequence, or the error: TransferError naming the peer, a refused BeginWrite…).
+        Its prefill rows are released either way."""
+        done = [p for p in self.pending if p.seq.is_finished]
+        for p in done:
+            self.pending.remove(p)
+            try:
+                self._hand_off(p)
+                p.future.set_result(p.seq)
+            except Exception as e:  # noqa: BLE001 — delivered to the request's caller
+                p.future.set_exception(e)
+            finally:
+                self.scheduler.release(p.seq)
+        return done
+
+    def cancel_pending(self, pending: "PendingPrefill", reason: str = "abort") -> None:
+        if pending in self.pending:
+            self.pending.remove(pending)
+            self.scheduler.abort(pending.seq)
+            self.scheduler.release(pending.seq)
+            pending.future.set_exception(RuntimeError(f"prefill cancelled: {reason}"))
+
+    def _hand_off(self, p: "PendingPrefill") -> None:
+        if p.before_write is not None:
+            p.before_write()
+        n, dest = len(p.seq.prompt_ids), p.dest
+        writes = plan_transfer(
+            num_tokens=n, prefill_cp=self.cp, layer_split=self.layer_split, num_layers=self.cfg.num_layers,
+            indexer_layers=list(self.cfg.indexer_layer_ids), src_slots=self.scheduler.slots(p.seq, n).tolist(),
+            decode_dcp=dest.dcp, dst_slots=list(dest.slots[:n]), decode_index=dest.index_mode,
+            decode_prefix=dest.prefix)
+        results = self.group.call("push", writes_by_rank(writes), dest)
+        p.transfer_stats = self.transfer_stats = results
+        for r in results:
+            if not r["ok"]:
+                raise TransferError(r.get("peer") or "decode", r["error"])
+
+    def prefill_to(self, prompt_ids: list[int], params: SamplingParams, dest: KvDestination,
+                   before_write: Callable[[], None] | None = None) -> Sequence:
+        """Prefill one prompt, sample its first token and write its cache into `dest`'s rows
+        (see submit_prefill); raises what the hand-off raised."""
+        pending = self.submit_prefill(prompt_ids, params, dest, before_write)
+        while not pending.future.done():
+            self.step()
+            self.finish_ready()
+        return pending.future.result()
 

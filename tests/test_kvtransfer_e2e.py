@@ -124,9 +124,10 @@ def test_transfer_error_mid_request_frees_everything(pair):
     dest = dec.reserve(len(p), 4)
     bogus = dataclasses.replace(dest.ranks[1], latent_ptr=dest.ranks[1].latent_ptr + (1 << 40))
     bad = dataclasses.replace(dest, ranks=(dest.ranks[0], bogus))
+    dec.begin_write(dest.reservation_id)  # at once: this fixture's lease is short
     t0 = time.monotonic()
     with pytest.raises(TransferError) as e:
-        pre.prefill_to(p, PARAMS, bad, before_write=lambda: dec.begin_write(dest.reservation_id))
+        pre.prefill_to(p, PARAMS, bad)
     assert time.monotonic() - t0 < 5 and bogus.session in str(e.value)
     assert dec.abort_reservation(dest.reservation_id)
     assert_all_free(pre, dec)
@@ -144,3 +145,23 @@ def test_decode_peer_gone_before_the_write():
             pre.prefill_to(p, PARAMS, dest)
         assert time.monotonic() - t0 < 5
         assert pre.allocator.num_free == pre.allocator.num_pages
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_prefills_share_forwards_and_hand_off_exactly(pair):
+    pre, dec = pair
+    ps = prompts(seed=3)
+    dests = [dec.reserve(len(p), PARAMS.max_new_tokens) for p in ps]
+    for d in dests:
+        dec.begin_write(d.reservation_id)  # at once: this fixture's lease is short
+    pending = [pre.submit_prefill(p, PARAMS, d) for p, d in zip(ps, dests)]
+    pre.step()  # one forward holds every queued prompt
+    assert all(p.seq.is_finished for p in pending)
+    assert len(pre.finish_ready()) == len(ps)
+    seqs = [dec.commit(d.reservation_id, p, PARAMS, pp.seq.seed, pp.future.result().output_ids[0])
+            for p, d, pp in zip(ps, dests, pending)]
+    while dec.has_work:
+        dec.step()
+    ref = ReferenceEngine("tiny")
+    assert [s.output_ids for s in seqs] == [ref.generate([p], PARAMS)[0].output_ids for p in ps]
+    assert_all_free(pre, dec)

@@ -36,10 +36,10 @@ class EngineLoop:
     def __init__(self, engine, name: str, max_queue: int, *, on_failure: Callable[[str], None],
                  has_work: Callable[[Any], bool] = lambda e: False, tick: Callable[[Any], None] = lambda e: None,
                  idle: Callable[[Any], None] = lambda e: None, snapshot: Callable[[Any], Any] = lambda e: None,
-                 idle_s: float = 0.25):
+                 on_stop: Callable[[Any, str], None] = lambda e, message: None, idle_s: float = 0.25):
         self.engine, self.name, self.max_queue = engine, name, max_queue
         self._on_failure, self._has_work, self._tick, self._idle = on_failure, has_work, tick, idle
-        self._make_snapshot, self._idle_s = snapshot, idle_s
+        self._make_snapshot, self._idle_s, self._on_stop = snapshot, idle_s, on_stop
         self._commands: queue.Queue[tuple[Command, Future | None, bool] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._queued_admissions = 0
@@ -111,6 +111,10 @@ class EngineLoop:
             with self._lock:
                 self._closed = True
             self._drain(self.failure or f"{self.name} service is stopping")
+            try:
+                self._on_stop(self.engine, self.failure or f"{self.name} service is stopping")
+            except Exception:
+                logger.exception("%s: on_stop hook failed", self.name)
 
     def _run_commands(self, block: bool) -> None:
         try:

@@ -24,6 +24,7 @@ from engine.scheduler import validate_prompt
 from kvtransfer.handoff import KvDestination, ReservationError, check_fingerprint
 from kvtransfer.transport import TransferError
 from services.common import rpc
+from services.common.rpc import ServiceUnavailable
 from services.common.config import PrefillConfig
 from services.common.convert import destination_from_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop
@@ -68,18 +69,35 @@ class DecodePeers:
         self.channels.clear()
 
 
+def _tick(engine: CPPrefillEngine) -> None:
+    """One forward over every queued prefill (batched by the scheduler), then the hand-offs."""
+    engine.step()
+    engine.finish_ready()
+
+
+def _fail_pending(engine: CPPrefillEngine, message: str) -> None:
+    """The engine thread ends (rank group failed, or shutdown): no queued prefill is left waiting."""
+    for p in list(engine.pending):
+        engine.pending.remove(p)
+        if not p.future.done():
+            p.future.set_exception(ServiceUnavailable(message))
+
+
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: CPPrefillEngine, config: PrefillConfig, on_failure: Callable[[str], None]):
         self.engine, self.config = engine, config
         self.cfg, self.fingerprint = engine.cfg, engine.fingerprint  # immutable: read by handlers
         self.peers = DecodePeers()
-        self.loop = EngineLoop(engine, "prefill", config.max_queue, on_failure=on_failure, snapshot=_snapshot)
+        self.loop = EngineLoop(engine, "prefill", config.max_queue, on_failure=on_failure, snapshot=_snapshot,
+                               has_work=lambda e: e.has_work or bool(e.pending), tick=_tick,
+                               on_stop=_fail_pending)
 
     def _prefill(self, engine: CPPrefillEngine, prompt: list[int], params, dest: KvDestination, address: str,
-                 is_active: Callable[[], bool]) -> prefill_pb2.PrefillResponse:
+                 is_active: Callable[[], bool]):
+        """Runs on the engine thread: queue the request into the engine; the loop's ticks batch
+        every queued prefill into the same forwards and hand each off when its prompt is done."""
         if not is_active():
             raise ReservationError("the client went away before its prefill started")
-        t0 = time.perf_counter()
         marks: list[float] = []
 
         def before_write() -> None:
@@ -87,11 +105,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             self.peers.begin_write(address, dest.reservation_id)
             marks.append(time.perf_counter())
 
-        seq = engine.prefill_to(prompt, params, dest, before_write=before_write)
-        stats = engine.transfer_stats
-        return prefill_pb2.PrefillResponse(
-            first_token=seq.output_ids[0], seed=seq.seed, prefill_ms=(marks[0] - t0) * 1e3,
-            transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=(time.perf_counter() - marks[1]) * 1e3)
+        pending = engine.submit_prefill(prompt, params, dest, before_write=before_write)
+        pending.marks = marks
+        return pending
 
     def Prefill(self, request, context):
         try:
@@ -105,7 +121,13 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             dest.validate_for(len(prompt))
             fut = self.loop.submit(lambda e: self._prefill(e, prompt, params, dest, request.destination.decode_address,
                                                            context.is_active), admit=True)
-            response = fut.result()
+            t0 = time.perf_counter()
+            pending = fut.result()
+            seq = pending.future.result()
+            marks, stats = pending.marks, pending.transfer_stats or []
+            response = prefill_pb2.PrefillResponse(
+                first_token=seq.output_ids[0], seed=seq.seed, prefill_ms=(marks[0] - t0) * 1e3,
+                transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=(time.perf_counter() - marks[1]) * 1e3)
         except Exception as e:
             rpc.abort(context, e)
         logger.debug("prefill: request %r → first token %d", request.request_id, response.first_token)
