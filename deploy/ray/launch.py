@@ -22,8 +22,10 @@ With ``gpu: true`` the bundles 1..C-1 hold a small placeholder actor each that p
 service actor sets CUDA_VISIBLE_DEVICES to the GPUs of all bundles before starting its ranks.
 
 Addresses. A service binds ``ray.host`` when set (tests: 127.0.0.1), else the IP of the node it
-landed on; the KV transfer engine listens on the same address. The router is started last and
-receives every prefill and decode address.
+landed on; it advertises that address (the node's IP when ``ray.host`` is a wildcard such as
+0.0.0.0), and its KV transfer engine uses it too, unless the prefill/decode section sets
+``advertise_host`` / ``kv_host``. The router is started last and receives every prefill and
+decode address.
 
 No process is left behind: ``shutdown()`` stops each service gracefully (its ranks exit), then
 kills the actors and removes the placement groups. If the launching driver dies instead, Ray
@@ -151,10 +153,13 @@ class ServiceActor:
             from services.prefill.server import serve_prefill
 
             update = {"host": host}
-            if "kv_host" not in config.model_fields_set:
-                update["kv_host"] = advertised
+            for name in ("advertise_host", "kv_host"):  # unless the config names them
+                if name not in config.model_fields_set:
+                    update[name] = advertised
+            config = config.model_copy(update=update)
+            advertised = config.advertised_host
             serve = serve_prefill if self.kind == "prefill" else serve_decode
-            _, port, self._stop = serve(config.model_copy(update=update))
+            _, port, self._stop = serve(config)
         logger.info("serving %s on %s", self.kind, address(advertised, port))
         return address(advertised, port)
 
@@ -266,18 +271,19 @@ def _start(cluster: RayCluster, services: list[tuple[_Service, Any]]) -> list[st
     for service, cfg in services:
         extra = None
         if cluster.config.ray.gpu and service.name != "router":
-            extra = [g for ids in ray.get([s.gpu_ids.remote() for s in service.slots]) for g in ids]
+            ids = ray.get([s.gpu_ids.remote() for s in service.slots], timeout=cluster.config.ray.start_timeout_s)
+            extra = [g for slot in ids for g in slot]
         refs.append(service.actor.start.remote(cfg, host, extra))
     return ray.get(refs, timeout=cluster.config.ray.start_timeout_s)
 
 
 def launch(config: LaunchConfig | str | Path | dict) -> RayCluster:
-    """Start N prefill, M decode services and the router on the connected Ray cluster (connecting
-    first, as ``connect()`` does, if needed). On failure everything started is torn down."""
+    """Start N prefill, M decode services and the router on the connected Ray cluster (first
+    ``connect()`` if this process is not connected). On failure everything started is torn down."""
     if not isinstance(config, LaunchConfig):
         config = load_launch_config(config)
     if not ray.is_initialized():
-        connect()
+        connect(num_cpus=cpus_needed(config))
     cluster = RayCluster(config)
     try:
         engines = [(_place(cluster, "prefill", f"prefill-{i}"), config.prefill)
@@ -297,9 +303,10 @@ def launch(config: LaunchConfig | str | Path | dict) -> RayCluster:
         raise
 
 
-def connect(address: str | None = None, **local_init: Any) -> None:
+def connect(address: str | None = None, num_cpus: float | None = None) -> None:
     """Join a Ray cluster: ``address``, else $RAY_ADDRESS / a cluster running on this machine
-    (``address="auto"``); if there is none, start a local one bound to 127.0.0.1."""
+    (``address="auto"``); if there is none, start a local one bound to 127.0.0.1 with at least
+    ``num_cpus`` logical CPUs."""
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address or os.environ["RAY_ADDRESS"])
         return
@@ -308,8 +315,20 @@ def connect(address: str | None = None, **local_init: Any) -> None:
         return
     except ConnectionError:
         pass
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray's own sockets on loopback
-    ray.init(**{"include_dashboard": False, "_node_ip_address": "127.0.0.1", **local_init})
+    # Keep Ray on loopback: the env var for the GCS, raylet and workers started below, the
+    # constant for this process (Ray read the variable at import; else it probes for a LAN route).
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1",
+             num_cpus=max(os.cpu_count() or 1, int(num_cpus or 0)))
+
+
+def cpus_needed(config: LaunchConfig) -> float:
+    """Logical CPUs that every placement group of ``config`` reserves together."""
+    r = config.ray
+    return (sum(b["CPU"] for b in _bundles("router", config))
+            + r.prefill_services * sum(b["CPU"] for b in _bundles("prefill", config))
+            + r.decode_services * sum(b["CPU"] for b in _bundles("decode", config)))
 
 
 # ---------------------------------------------------------------- command line
@@ -330,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                                     decode_services=args.decode_services, gpu=args.gpu, host=args.host)
     except ConfigError as e:
         p.error(str(e))
-    connect(args.address)
+    connect(args.address, num_cpus=cpus_needed(config))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
