@@ -108,3 +108,40 @@ def start_server(add_servicers: Callable[[grpc.Server], None], service_names: li
         raise OSError(f"port: cannot bind {address(host, port)}")
     server.start()
     return server, bound, h
+
+
+def serve_engine(kind: str, engine, make_service: Callable, add_servicer: Callable, service_name: str, config,
+                 max_workers: int, details: str):
+    """Start an engine-backed gRPC service: build the service around `engine`, bind
+    ``config.host:config.port``, mark health SERVING. Returns ``(service, server, port, address,
+    shutdown)``; ``shutdown(grace_s)`` is idempotent (health NOT_SERVING, service stopped, server
+    stopped, rank group closed). On a failed start the engine is closed."""
+    health: list[Health] = []
+    try:
+        service = make_service(on_failure=lambda msg: health and health[0].set_serving(False))
+        try:
+            server, port, h = start_server(lambda s: add_servicer(service, s), [service_name], config.host,
+                                           config.port, max_workers)
+        except BaseException:
+            service.stop()
+            raise
+    except BaseException:
+        engine.close()
+        raise
+    health.append(h)
+    advertised = address(config.advertised_host, port)
+    h.set_serving(service.loop.failure is None)
+    logger.info("serving %s on %s (%s)", kind, advertised, details)
+    done = []
+
+    def shutdown(grace_s: float = 2.0) -> None:
+        if done:
+            return
+        done.append(True)
+        h.set_serving(False)
+        service.stop()
+        server.stop(grace_s).wait()
+        engine.close()
+        logger.info("%s service on %s stopped", kind, advertised)
+
+    return service, server, port, advertised, shutdown

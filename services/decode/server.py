@@ -189,33 +189,9 @@ def serve_decode(config: DecodeConfig, engine: DCPDecodeEngine | None = None):
     with an UNAVAILABLE error event, the server stops, the rank group exits. ``engine`` lets a
     caller supply a ready engine (tests); it is closed by ``shutdown`` all the same."""
     engine = engine or DCPDecodeEngine(**config.engine_kwargs)
-    health: list[rpc.Health] = []
-    try:
-        service = DecodeService(engine, config, on_failure=lambda msg: health and health[0].set_serving(False))
-        try:
-            server, port, h = rpc.start_server(lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(service, s),
-                                               [SERVICE_NAME], config.host, config.port, MAX_WORKERS)
-        except BaseException:
-            service.stop()
-            raise
-    except BaseException:
-        engine.close()
-        raise
-    health.append(h)
-    service.address = rpc.address(config.advertised_host, port)
-    h.set_serving(service.loop.failure is None)
-    logger.info("serving decode on %s (dcp=%d, %s, %s index, model %s)", service.address, config.dcp,
-                config.dcp_comm, config.indexer, config.model)
-    done = []
-
-    def shutdown(grace_s: float = 2.0) -> None:
-        if done:
-            return
-        done.append(True)
-        h.set_serving(False)
-        service.stop()
-        server.stop(grace_s).wait()
-        engine.close()
-        logger.info("decode service on %s stopped", service.address)
-
+    service, server, port, service_address, shutdown = rpc.serve_engine(
+        "decode", engine, lambda on_failure: DecodeService(engine, config, on_failure=on_failure),
+        decode_pb2_grpc.add_DecodeServicer_to_server, SERVICE_NAME, config, MAX_WORKERS,
+        f"dcp={config.dcp}, {config.dcp_comm}, {config.indexer} index, model {config.model}")
+    service.address = service_address
     return server, port, shutdown

@@ -150,33 +150,8 @@ def serve_prefill(config: PrefillConfig, engine: CPPrefillEngine | None = None):
     marks health SERVING. ``shutdown()`` is idempotent: health NOT_SERVING, queued requests fail
     UNAVAILABLE, the server stops, the rank group exits."""
     engine = engine or CPPrefillEngine(**config.engine_kwargs)
-    health: list[rpc.Health] = []
-    try:
-        service = PrefillService(engine, config, on_failure=lambda msg: health and health[0].set_serving(False))
-        try:
-            server, port, h = rpc.start_server(lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(service, s),
-                                               [SERVICE_NAME], config.host, config.port, config.max_queue + 16)
-        except BaseException:
-            service.stop()
-            raise
-    except BaseException:
-        engine.close()
-        raise
-    health.append(h)
-    address = rpc.address(config.host, port)
-    h.set_serving(service.loop.failure is None)
-    logger.info("serving prefill on %s (cp=%d, %s%s, model %s)", address, config.cp, config.strategy,
-                ", layer split" if config.layer_split else "", config.model)
-    done = []
-
-    def shutdown(grace_s: float = 2.0) -> None:
-        if done:
-            return
-        done.append(True)
-        h.set_serving(False)
-        service.stop()
-        server.stop(grace_s).wait()
-        engine.close()
-        logger.info("prefill service on %s stopped", address)
-
+    _, server, port, _, shutdown = rpc.serve_engine(
+        "prefill", engine, lambda on_failure: PrefillService(engine, config, on_failure=on_failure),
+        prefill_pb2_grpc.add_PrefillServicer_to_server, SERVICE_NAME, config, config.max_queue + 16,
+        f"cp={config.cp}, {config.strategy}{', layer split' if config.layer_split else ''}, model {config.model}")
     return server, port, shutdown
