@@ -121,7 +121,7 @@ def cmd_decode(args, parser) -> int:
 
 
 def cmd_demo(args, parser) -> int:
-    """What `make up` runs until the router lands: one prompt through every engine, with timings."""
+    """One prompt through the reference, a CP prefill group and a DCP decode group, with timings."""
     from engine.decode_engine import DCPDecodeEngine
     from engine.model.sampler import SamplingParams
     from engine.prefill_engine import CPPrefillEngine
