@@ -34,13 +34,15 @@ class PendingPrefill:
     before_write: Callable[[], None] | None
     future: Future = field(default_factory=Future)
     transfer_stats: list | None = None
+    armed: bool = False  # its KV is pushed layer by layer during the forward (overlap)
+    arm_error: Exception | None = None
 
 
 class CPPrefillEngine(Engine):
     def __init__(self, model: str = "tiny", cp: int = 2, strategy: str = "interleave", layer_split: bool = False,
                  dtype: str = "fp32", chunk_size: int = 4096, page_size: int = 16, max_cache_tokens: int = 1 << 16,
                  threads_per_rank: int = 1, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False,
-                 kv_transport: str | None = None, kv_host: str = "127.0.0.1"):
+                 kv_transport: str | None = None, kv_host: str = "127.0.0.1", overlap: bool = False):
         if cp < 1:
             raise ValueError(f"cp: must be >= 1, got {cp}")
         if strategy not in STRATEGIES:
@@ -62,6 +64,9 @@ class CPPrefillEngine(Engine):
         self.dtype = dtype
         self.fingerprint = layout_fingerprint(self.cfg, dtype)
         self.pending: list[PendingPrefill] = []
+        self.overlap = overlap
+        if overlap:
+            self.runner.arm = self._arm
 
     # ---- the KV hand-off (prefill side) --------------------------------------------------
     def submit_prefill(self, prompt_ids: list[int], params: SamplingParams, dest: KvDestination,
@@ -100,16 +105,44 @@ class CPPrefillEngine(Engine):
             self.scheduler.release(pending.seq)
             pending.future.set_exception(RuntimeError(f"prefill cancelled: {reason}"))
 
-    def _hand_off(self, p: "PendingPrefill") -> None:
-        if p.before_write is not None:
-            p.before_write()
+    def _plan(self, p: "PendingPrefill", src_slots: list[int]) -> dict:
         n, dest = len(p.seq.prompt_ids), p.dest
-        writes = plan_transfer(
+        return writes_by_rank(plan_transfer(
             num_tokens=n, prefill_cp=self.cp, layer_split=self.layer_split, num_layers=self.cfg.num_layers,
-            indexer_layers=list(self.cfg.indexer_layer_ids), src_slots=self.scheduler.slots(p.seq, n).tolist(),
-            decode_dcp=dest.dcp, dst_slots=list(dest.slots[:n]), decode_index=dest.index_mode,
-            decode_prefix=dest.prefix)
-        results = self.group.call("push", writes_by_rank(writes), dest)
+            indexer_layers=list(self.cfg.indexer_layer_ids), src_slots=src_slots, decode_dcp=dest.dcp,
+            dst_slots=list(dest.slots[:n]), decode_index=dest.index_mode, decode_prefix=dest.prefix))
+
+    def _arm(self, plan) -> dict:
+        """Layer-wise overlap: before the forward that completes a prompt, clear the write with
+        decode (`before_write`) and hand the ranks its transfer plan; each rank then pushes
+        every layer as soon as the layer is stored."""
+        by_id = {p.seq.id: p for p in self.pending}
+        armed = {}
+        for it in plan.items:
+            p = by_id.get(it.req_id)
+            if p is None or not it.wants_logits:
+                continue
+            try:
+                if p.before_write is not None:
+                    p.before_write()
+                armed[it.req_id] = (self._plan(p, it.slots.tolist()), p.dest)
+                p.armed = True
+            except Exception as e:  # noqa: BLE001 — reported by finish_ready
+                p.arm_error = e
+        return armed
+
+    def _hand_off(self, p: "PendingPrefill") -> None:
+        if p.arm_error is not None:
+            raise p.arm_error
+        if p.armed:
+            results = self.runner.push_results.pop(p.seq.id, [])
+            if not results:
+                raise TransferError(p.dest.reservation_id, "no prefill rank reported its layer-wise push")
+        else:
+            if p.before_write is not None:
+                p.before_write()
+            n = len(p.seq.prompt_ids)
+            results = self.group.call("push", self._plan(p, self.scheduler.slots(p.seq, n).tolist()), p.dest)
         p.transfer_stats = self.transfer_stats = results
         for r in results:
             if not r["ok"]:

@@ -11,6 +11,7 @@ Cost: one gather per (write, layer) into staging (memory bandwidth) and one tran
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -30,11 +31,14 @@ class KVSender:
             self.staging = StagingBuffer(self.transport, max(nbytes, 1 << 20))
         return self.staging
 
-    def push(self, writes, dest: KvDestination, latent_of, index_of) -> dict:
-        """Send `writes` (this rank's part of the plan). `latent_of(layer)` / `index_of(layer)`
-        return this rank's [rows, width] pool of that layer. Never raises a transfer failure:
-        it is returned, so one bad destination cannot kill the prefill group."""
+    def push(self, writes, dest: KvDestination, latent_of, index_of, layer: int | None = None) -> dict:
+        """Send `writes` (this rank's part of the plan); with `layer`, only that layer's part
+        (layer-wise overlap). `latent_of(layer)` / `index_of(layer)` return this rank's
+        [rows, width] pool of that layer. Never raises a transfer failure: it is returned, so
+        one bad destination cannot kill the prefill group."""
         t0 = time.perf_counter()
+        if layer is not None:
+            writes = [replace(w, layers=range(layer, layer + 1)) for w in writes if layer in w.layers]
         try:
             total = 0
             for w in writes:
@@ -64,6 +68,15 @@ class KVSender:
         except KVTransferError as e:
             return {"ok": False, "peer": getattr(e, "peer", None), "error": str(e),
                     "seconds": time.perf_counter() - t0}
+
+    @staticmethod
+    def merge(results: list[dict]) -> dict:
+        """One result for several pushes (e.g. the layers of one request)."""
+        failed = [r for r in results if not r["ok"]]
+        if failed:
+            return failed[0]
+        return {"ok": True, "bytes": sum(r["bytes"] for r in results), "writes": sum(r["writes"] for r in results),
+                "seconds": sum(r["seconds"] for r in results)}
 
     def close(self) -> None:
         if self.staging is not None:

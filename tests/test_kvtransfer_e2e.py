@@ -165,3 +165,28 @@ def test_concurrent_prefills_share_forwards_and_hand_off_exactly(pair):
     ref = ReferenceEngine("tiny")
     assert [s.output_ids for s in seqs] == [ref.generate([p], PARAMS)[0].output_ids for p in ps]
     assert_all_free(pre, dec)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layer_split", [False, True])
+def test_layer_wise_overlap_hands_off_exactly(layer_split):
+    ps = prompts(seed=4)
+    ref = ReferenceEngine("tiny")
+    expected = [ref.generate([p], PARAMS)[0].output_ids for p in ps]
+    with CPPrefillEngine("tiny", cp=2, layer_split=layer_split, kv_transport="tcp", overlap=True,
+                         chunk_size=32) as pre, \
+         DCPDecodeEngine("tiny", dcp=2, indexer="split", kv_transport="tcp", reference_prefill=False) as dec:
+        handed = [hand_off(pre, dec, p) for p in ps]
+        stats = pre.transfer_stats
+        assert stats and all(r["ok"] and r["bytes"] > 0 for r in stats)
+        while dec.has_work:
+            dec.step()
+        assert [seq.output_ids for _, seq in handed] == expected
+        assert pre.allocator.num_free == pre.allocator.num_pages and not pre.runner.push_results
+        # a refused BeginWrite before the overlapped forward: nothing is sent, everything freed
+        dest = dec.reserve(len(ps[0]), 4)
+        dec.abort_reservation(dest.reservation_id)
+        with pytest.raises(ReservationError):
+            pre.prefill_to(ps[0], PARAMS, dest, before_write=lambda: dec.begin_write(dest.reservation_id))
+        assert pre.allocator.num_free == pre.allocator.num_pages
+        assert dec.allocator.num_free == dec.allocator.num_pages

@@ -24,6 +24,7 @@ work per rank is that of its own queries (balanced by the layout).
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,7 @@ class CPKV:
         self.r, self.layout, self.new_slots, self.req_slots = rank, layout, new_slots, req_slots
         self.prefix_slots = prefix_slots
         self.order = torch.tensor(layout.gather_order(), dtype=torch.long)
+        self.on_stored = None
         self.width = layout.max_tokens_per_rank
 
     def _all_gather(self, own: torch.Tensor) -> torch.Tensor:
@@ -80,6 +82,8 @@ class CPKV:
             r.pool.latent(layer)[self.new_slots] = lat
             if idx is not None:
                 r.pool.index(layer)[self.new_slots] = idx
+            if self.on_stored is not None:
+                self.on_stored(layer)  # layer-wise overlap: this layer's rows are final now
         if r.scratch is None:
             return
         self._fill_prefix(layer, index_key is not None)
@@ -142,6 +146,7 @@ class PrefillRank:
         self.trace: dict | None = None
         self.gathered_bytes = 0
         self.sender = None
+        self.pusher: ThreadPoolExecutor | None = None  # one thread: layer pushes go in order
         if kv_transport is not None:
             from kvtransfer.push import KVSender
 
@@ -155,13 +160,19 @@ class PrefillRank:
         return self.sender.push(mine, dest, self.pool.latent, self.pool.index)
 
     def close(self) -> None:
+        if self.pusher is not None:
+            self.pusher.shutdown(wait=True)
         if self.sender is not None:
             self.sender.close()
 
-    def run(self, plan: StepPlan, trace: bool = False) -> tuple[dict[int, torch.Tensor], float]:
+    def run(self, plan: StepPlan, trace: bool = False, armed: dict | None = None):
         """One extend forward over this rank's share of the plan's new tokens.
 
-        Returns ({req_id: logits} for requests whose last prompt token this rank owns, seconds).
+        ``armed`` ({req_id: (writes_by_rank, destination)}, layer-wise overlap): for those
+        requests — whose prompt this forward completes — each layer's KV is pushed from a
+        background thread as soon as the layer is stored, while later layers compute.
+        Returns ({req_id: logits} for requests whose last prompt token this rank owns, seconds,
+        {req_id: push result} for armed requests).
         """
         t0 = time.perf_counter()
         ids, pos, new_slots, counts, kv_lens = batch_inputs(plan)
@@ -184,10 +195,23 @@ class PrefillRank:
         prefix = [it.slots[: it.start] for it in plan.items]
         kv = CPKV(self, layout, torch.cat(new_slots), [it.slots for it in plan.items], torch.cat(prefix))
         self.trace = {} if trace else None
+        futures: dict[int, list] = {}
+        if armed:
+            kv.on_stored = lambda layer: self._push_layer(armed, layer, futures)
         batch = ForwardBatch(ids[own], pos[own], views, kv, torch.tensor(logit_local, dtype=torch.long),
                              trace=self.trace)
         logits = self.lm(batch)
-        return {rid: logits[j] for j, rid in enumerate(logit_req)}, time.perf_counter() - t0
+        pushed = {rid: self.sender.merge([f.result() for f in fs]) for rid, fs in futures.items()}
+        return {rid: logits[j] for j, rid in enumerate(logit_req)}, time.perf_counter() - t0, pushed
+
+    def _push_layer(self, armed: dict, layer: int, futures: dict) -> None:
+        if self.pusher is None:
+            self.pusher = ThreadPoolExecutor(1, thread_name_prefix="kv-push")
+        for rid, (writes_by_rank, dest) in armed.items():
+            mine = writes_by_rank.get(self.rank, [])
+            if any(layer in w.layers for w in mine):
+                futures.setdefault(rid, []).append(self.pusher.submit(
+                    self.sender.push, mine, dest, self.pool.latent, self.pool.index, layer))
 
     # ---- inspection (call_rank: no collectives) -----------------------------------------
     def dump(self, slots: torch.Tensor) -> dict:
@@ -207,17 +231,25 @@ class PrefillRank:
 
 
 class CPRunner:
-    """Driver side: sends each plan to every rank and merges their logits."""
+    """Driver side: sends each plan to every rank and merges their logits.
+
+    ``arm(plan)`` (set by the engine) returns the layer-wise pushes to start during this plan's
+    forward; their per-rank results land in ``push_results[req_id]``."""
 
     def __init__(self, group, trace: bool = False):
         self.group, self.trace = group, trace
         self.rank_seconds = [0.0] * group.world_size
+        self.arm = None
+        self.push_results: dict[int, list[dict]] = {}
 
     def run(self, plan: StepPlan) -> dict[int, torch.Tensor]:
         if plan.is_decode:
             raise ValueError("prefill CP runs extend steps only (set max_new_tokens=1 for prefill)")
+        armed = self.arm(plan) if self.arm is not None else None
         merged: dict[int, torch.Tensor] = {}
-        for r, (logits, seconds) in enumerate(self.group.call("run", plan, self.trace)):
+        for r, (logits, seconds, pushed) in enumerate(self.group.call("run", plan, self.trace, armed or None)):
             merged.update(logits)
             self.rank_seconds[r] += seconds
+            for rid, result in pushed.items():
+                self.push_results.setdefault(rid, []).append(result)
         return {it.req_id: merged[it.req_id] for it in plan.items if it.req_id in merged}

@@ -54,12 +54,14 @@ class PrefillConfig(_ServiceConfig):
     cp: int = Field(2, ge=1)
     strategy: Literal["interleave", "zigzag"] = "interleave"
     layer_split: bool = False
+    overlap: bool = False  # push each layer's KV while later layers compute
     chunk_size: int = Field(4096, ge=1)
 
     @property
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of engine.prefill_engine.CPPrefillEngine."""
         return dict(model=self.model, cp=self.cp, strategy=self.strategy, layer_split=self.layer_split,
+                    overlap=self.overlap,
                     dtype=self.dtype, chunk_size=self.chunk_size, page_size=self.page_size,
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.threads_per_rank,
                     kv_transport=self.kv_protocol, kv_host=self.kv_host)
