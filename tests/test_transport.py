@@ -330,7 +330,16 @@ def test_staging_buffer_registers_packs_and_unregisters():
     buffer.close()  # idempotent
 
 
-def test_long_batches_are_sliced_under_mooncakes_per_peer_limit():
-    from kvtransfer import transport as t
-
-    assert t.MAX_RANGES_PER_BATCH <= 2048
+@needs_mooncake
+def test_a_batch_longer_than_mooncakes_per_peer_queue_lands_exactly(transport, source, peer_factory):
+    """Mooncake's TCP transport refuses one batch of more than ~2048 ranges to a peer; the
+    transport slices it (MAX_RANGES_PER_BATCH)."""
+    peer = peer_factory(1 * MiB)
+    n = 3000  # > 2048, < 1 MiB / 256
+    ranges = [(i * 997 % (60 * MiB), i * 256, 200) for i in range(n)]
+    transport.write_batch(peer.session, [source.ptr + s for s, _, _ in ranges],
+                          [peer.ptr + d for _, d, _ in ranges], [k for _, _, k in ranges])
+    expected = torch.zeros(peer.nbytes, dtype=torch.uint8)
+    for s_, d, k in ranges:
+        expected[d:d + k] = source.tensor[s_:s_ + k]
+    assert peer.digest() == _digest(expected)
