@@ -14,7 +14,7 @@ from engine.model.loader import load_model, parse_dtype
 from engine.model.tiny import resolve_model_dir
 from engine.model.tokenizer import load_tokenizer
 from engine.runner import LocalRunner
-from engine.scheduler import Engine, Scheduler, Sequence, validate_prompt  # noqa: F401  (re-exported)
+from engine.scheduler import Engine, Scheduler
 
 
 class ReferenceEngine(Engine):

@@ -53,7 +53,3 @@ class KVPool:
         return self.latent_pool.numel() * self.latent_pool.element_size() + (
             self.index_pool.numel() * self.index_pool.element_size() if self.index_layers else 0
         )
-
-    @property
-    def bytes_per_row(self) -> int:
-        return self.nbytes // max(self.num_rows, 1)

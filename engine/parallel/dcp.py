@@ -135,6 +135,7 @@ class DCPKV:
 
     def __init__(self, r: "DecodeRank", new_slots: torch.Tensor, req_slots: list[torch.Tensor]):
         self.r, self.new_slots, self.req_slots = r, new_slots, req_slots
+        self.own_positions = [torch.arange(r.rank, max(s.numel(), r.rank), r.world) for s in req_slots]
 
     def store(self, layer, latent, index_key):
         """Entries of the step's tokens: the latent only on its owner rank p mod C."""
@@ -153,8 +154,8 @@ class DCPKV:
     index_keys = latent
 
     def _own_positions(self, req: int) -> torch.Tensor:
-        n = self.req_slots[req].numel()
-        return torch.arange(self.r.rank, max(n, self.r.rank), self.r.world)
+        """Positions of request `req` stored on this rank (p ≡ rank mod C); computed once a step."""
+        return self.own_positions[req]
 
     def decode_select(self, layer, iq, iw, k, indexer):
         """Positions each request attends to (None = all): the same list on every rank."""
