@@ -210,3 +210,69 @@ def test_sparse_extend_attention_equals_dense_masked():
     mask = topk_mask(torch.randn(50, 300, generator=g), 16, causal)
     dense = extend_attention(q, k, v, mask, 0.3)[0]
     assert torch.allclose(sparse_extend_attention(q, k, v, mask, 0.3, 16), dense, atol=1e-6)
+
+
+# ---- decode fast paths: each equals the general form it replaces -----------------------------
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("width", [16, 40])
+def test_rope_matrix_form_equals_elementwise(interleave, width):
+    from engine.model.rope import RopeTables
+
+    g = torch.Generator().manual_seed(width)
+    pos = torch.tensor([0, 5, 1023, 70000])
+    inv = 1 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    f = pos.float()[:, None] * inv
+    emb = torch.cat([f, f], -1)
+    cos, sin = emb.cos() * 1.2, emb.sin() * 1.2
+    for shape in [(4, width), (4, 3, width)]:
+        x = torch.randn(*shape, generator=g)
+        elementwise = RopeTables(cos, sin, as_matrix=False).apply(x, interleave)
+        matrix = RopeTables(cos, sin, as_matrix=True).apply(x, interleave)
+        assert torch.allclose(matrix, elementwise, atol=1e-6)
+        assert torch.equal(matrix[..., 16:], x[..., 16:])  # past the rotary dims: untouched
+
+
+def test_topk_select_equals_topk_mask_with_ties():
+    from engine.model.attention import topk_mask, topk_select
+
+    g = torch.Generator().manual_seed(1)
+    for n, k in [(5, 8), (100, 16), (300, 32)]:
+        for ties in (False, True):
+            s = torch.randn(n, generator=g)
+            if ties:  # integer scores: many ties across the k-th place
+                s = torch.randint(0, 4, (n,), generator=g).float()
+            want = topk_mask(s[None], k, torch.ones(1, n, dtype=torch.bool))[0].nonzero().squeeze(1)
+            assert torch.equal(topk_select(s, k), want)
+
+
+def test_absorbed_decode_forms_agree():
+    from engine.model.attention import absorbed_decode
+
+    g = torch.Generator().manual_seed(2)
+    q, rows = torch.randn(2, 4, 12, generator=g), torch.randn(2, 7, 12, generator=g)
+    all_valid = torch.ones(2, 7, dtype=torch.bool)
+    out, lse = absorbed_decode(q, rows, all_valid, 8, 0.3)
+    assert lse.shape == (2, 4)
+    for valid in (None, all_valid):
+        o2, l2 = absorbed_decode(q, rows, valid, 8, 0.3, return_lse=False)
+        assert l2 is None and torch.allclose(o2, out, atol=1e-6)
+    scores = torch.einsum("bhd,bld->bhl", q, rows) * 0.3  # the textbook form
+    assert torch.allclose(out, torch.einsum("bhl,blr->bhr", scores.softmax(-1), rows[..., :8]), atol=1e-6)
+    assert torch.allclose(lse, scores.logsumexp(-1), atol=1e-6)
+
+
+def test_gathered_experts_equal_the_expert_loop():
+    from engine.model.config import ModelConfig
+    from engine.model.model import Experts, Router
+    from engine.model.tiny import tiny_config
+
+    cfg = ModelConfig.from_dict(tiny_config())
+    g = torch.Generator().manual_seed(3)
+    ex = Experts(cfg)
+    for p in (ex.gate_proj, ex.up_proj, ex.down_proj):
+        p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    router = Router(cfg)
+    router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+    x = torch.randn(3, cfg.hidden_size, generator=g)
+    idx, w = router(x)
+    assert torch.allclose(ex(x, idx, w, decode=True), ex(x, idx, w), atol=1e-6)

@@ -87,26 +87,32 @@ def sparse_extend_attention(
 
 
 def absorbed_decode(
-    q_lat: torch.Tensor,
-    q_rope: torch.Tensor,
+    q: torch.Tensor,
     rows: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     kv_lora_rank: int,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed MLA over latent rows.
 
-    q_lat [B, H, r] (query nope part already multiplied by W_UK), q_rope [B, H, dr],
-    rows [B, L, r + dr] (compressed KV then rotary key), valid [B, L] bool.
-    Returns (out_lat [B, H, r], lse [B, H] base e); W_UV is applied by the caller.
+    q [B, H, r + dr]: the query's nope part already multiplied by W_UK, then its rotated part;
+    rows [B, L, r + dr] (compressed KV then rotary key); valid [B, L] bool, or None when every
+    row is valid. One product scores both parts: q · row = q_lat · c + q_rope · k_rope.
+    Returns (out_lat [B, H, r], lse [B, H] base e — None unless ``return_lse``); W_UV is
+    applied by the caller. Without the LSE, each query needs at least one valid row.
     """
-    c, kr = rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
-    scores = (torch.einsum("bhr,blr->bhl", q_lat, c) + torch.einsum("bhd,bld->bhl", q_rope, kr)).float() * scale
-    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    scores = torch.bmm(q, rows.transpose(1, 2))
+    scores = (scores if scores.dtype == torch.float32 else scores.float()) * scale
+    if valid is not None:
+        scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    c = rows[..., :kv_lora_rank]
+    if not return_lse:
+        probs = torch.softmax(scores, dim=-1)
+        return torch.bmm(probs if probs.dtype == rows.dtype else probs.to(rows.dtype), c), None
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
-    out = torch.einsum("bhl,blr->bhr", probs.to(rows.dtype), c)
-    return out, lse
+    return torch.bmm(probs if probs.dtype == rows.dtype else probs.to(rows.dtype), c), lse
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +131,7 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     """lse with −inf replaced by 0, so exp(score − lse) stays 0 (not NaN) for empty rows."""
-    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.where(torch.isneginf(lse), 0.0, lse)
 
 
 def topk_mask(scores: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
@@ -145,6 +151,21 @@ def topk_mask(scores: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor
     tied = scores == kth
     chosen = above | (tied & (torch.cumsum(tied, dim=-1) <= need))
     return chosen & valid
+
+
+def topk_select(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (ascending) of the top-k of a 1-D score vector under :func:`topk_mask`'s order.
+
+    The decode-step form: one ``topk`` settles the set unless the k-th score ties with one
+    left out, and only then does the tie-break by position run.
+    """
+    n = scores.numel()
+    if n <= k:
+        return torch.arange(n)
+    vals, idx = scores.topk(k)
+    if int((scores >= vals[-1]).sum()) == k:
+        return idx.sort().values
+    return topk_mask(scores[None], k, torch.ones(1, n, dtype=torch.bool))[0].nonzero().squeeze(1)
 
 
 def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

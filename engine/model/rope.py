@@ -8,6 +8,7 @@ DeepSeek-V3.2's indexer rotates with the half-split layout; GLM's indexer is int
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -47,15 +48,81 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class Rotary:
-    """Precomputed frequencies; `cos_sin(positions)` gives tables of shape [T, dim] (cat(f, f))."""
+    """Precomputed frequencies; `tables(positions)` gives the per-forward rotation."""
 
     def __init__(self, cfg: ModelConfig):
         self.inv_freq, self.scaling = rope_inv_freq(cfg)
+        self.dim = cfg.qk_rope_head_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables of shape [T, dim] (cat(f, f)), times the attention factor."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, as_matrix: bool = False) -> "RopeTables":
+        return RopeTables(*self.cos_sin(positions, dtype), as_matrix)
+
+
+# A decode step rotates a few tokens ~12 times (q, k, index q, index k per layer): as one small
+# batched matmul per call instead of ~13 element-wise ops, the rotation stops being a third of
+# the step's op dispatches. Prefill keeps the element-wise form (a [T, w, w] table per token
+# would not pay off, and CP ranks must rotate exactly as the reference does).
+class RopeTables:
+    """The rotation of one forward's tokens. ``apply(x, interleave)`` rotates the first
+    ``dim`` values of the last axis of x [T, ..., w] (w ≥ dim) and keeps the rest.
+
+    ``as_matrix``: rotate by multiplying with a per-token [w, w] matrix (decode); the result
+    equals the element-wise form up to floating-point rounding of the two-term sums.
+    """
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, as_matrix: bool = False):
+        self.cos, self.sin, self.as_matrix = cos, sin, as_matrix
+        self.dim = cos.shape[-1]
+        self._matrices: dict[tuple[bool, int], torch.Tensor] = {}
+
+    def apply(self, x: torch.Tensor, interleave: bool) -> torch.Tensor:
+        w = x.shape[-1]
+        if self.as_matrix:
+            m = self._matrix(interleave, w)
+            t = x.shape[0]
+            return torch.bmm(x.reshape(t, -1, w), m).view(x.shape)
+        if w == self.dim:
+            return apply_rope(x, self.cos, self.sin, interleave)
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        return torch.cat([apply_rope(rot, self.cos, self.sin, interleave), rest], dim=-1)
+
+    def _matrix(self, interleave: bool, width: int) -> torch.Tensor:
+        """[T, width, width] with x @ m = rotated x (per token)."""
+        key = (interleave, width)
+        m = self._matrices.get(key)
+        if m is None:
+            flat_c, flat_s, identity = _rotation_pattern(self.dim, interleave, width)
+            half = self.dim // 2
+            c, s = self.cos[:, :half], self.sin[:, :half]
+            m = identity.to(self.cos.dtype).repeat(self.cos.shape[0], 1)  # [T, width²]; axes past dim pass through
+            # out[dst] = x[src_c] * cos + x[src_s] * (∓ sin)
+            m[:, flat_c] = torch.cat([c, c], dim=1)
+            m[:, flat_s] = torch.cat([-s, s], dim=1)
+            m = m.view(-1, width, width)
+            self._matrices[key] = m
+        return m
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation_pattern(dim: int, interleave: bool, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat [width, width] offsets of the cos and sin terms of each rotated output (matching
+    :func:`apply_rope`), and the flattened matrix that passes axes ≥ dim through unchanged."""
+    half = dim // 2
+    j = torch.arange(half)
+    if interleave:  # out[j] = x[2j]c - x[2j+1]s ; out[half+j] = x[2j+1]c + x[2j]s
+        src_c, src_s, dst = torch.cat([2 * j, 2 * j + 1]), torch.cat([2 * j + 1, 2 * j]), torch.cat([j, half + j])
+    else:  # half-split: out[j] = x[j]c - x[j+half]s ; out[j+half] = x[j+half]c + x[j]s
+        src_c, src_s, dst = torch.cat([j, j + half]), torch.cat([j + half, j]), torch.cat([j, j + half])
+    identity = torch.zeros(width, width)
+    rest = torch.arange(dim, width)
+    identity[rest, rest] = 1
+    return src_c * width + dst, src_s * width + dst, identity.view(1, -1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

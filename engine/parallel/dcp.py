@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from engine.cache.local import RowGatherer
-from engine.model.attention import absorbed_decode, merge_partials, topk_mask
+from engine.model.attention import absorbed_decode, merge_partials, topk_mask, topk_select
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
 from engine.model.model import MLP, CausalLM, MoE
@@ -166,8 +166,7 @@ class DCPKV:
                 if slots.numel() <= k:
                     out.append(None)
                     continue
-                scores = indexer.scores(iq[b : b + 1], iw[b : b + 1], r.index[layer][slots])
-                out.append(topk_mask(scores, k, torch.ones_like(scores, dtype=torch.bool))[0].nonzero().squeeze(1))
+                out.append(topk_select(indexer.scores(iq[b : b + 1], iw[b : b + 1], r.index[layer][slots])[0], k))
             return out
         return self._split_select(layer, iq, iw, k, indexer)
 
@@ -190,9 +189,9 @@ class DCPKV:
                 continue
             rows = slots[pos] // r.world
             scores = indexer.scores(iq[b : b + 1], iw[b : b + 1], r.index[layer][rows])[0]
-            keep = topk_mask(scores[None], k, torch.ones(1, pos.numel(), dtype=torch.bool))[0]
-            cand[b, : int(keep.sum()), 0] = scores[keep].float()
-            cand[b, : int(keep.sum()), 1] = pos[keep].float()
+            keep = topk_select(scores, k)
+            cand[b, : keep.numel(), 0] = scores[keep].float()
+            cand[b, : keep.numel(), 1] = pos[keep].float()
         r.bytes_sent["index_candidates"] += cand.numel() * cand.element_size()
         pending = PendingSelection(cand, [slots.numel() <= k for slots in self.req_slots], k)
         if not r.replicate_q_proj and r.world > 1:
@@ -216,15 +215,14 @@ class DCPKV:
         rest = None if extra is None else out[..., x[0].numel() :].reshape(r.world, *extra.shape)
         return q, rest
 
-    def decode_attention(self, layer, q_lat, q_rope, sel, scale):
+    def decode_attention(self, layer, q, sel, scale):
         r = self.r
         heads = r.cfg.num_heads
-        if q_lat.shape[1] != heads:
+        if q.shape[1] != heads:
             ride = sel.cand if isinstance(sel, PendingSelection) and not sel.resolved else None
-            q, cands = self._gather_heads(torch.cat([q_lat, q_rope], dim=-1), ride)
+            q, cands = self._gather_heads(q, ride)
             if ride is not None:
                 sel.resolve(cands)
-            q_lat, q_rope = q[..., : r.cfg.kv_lora_rank], q[..., r.cfg.kv_lora_rank :]
         rows = []
         for b, slots in enumerate(self.req_slots):
             pos = self._own_positions(b)
@@ -232,7 +230,7 @@ class DCPKV:
                 pos = sel[b][sel[b] % r.world == r.rank]
             rows.append(slots[pos] // r.world)
         gathered, valid = r.gather(r.latent[layer], rows)
-        out, lse = absorbed_decode(q_lat, q_rope, gathered.to(q_lat.dtype), valid, r.cfg.kv_lora_rank, scale)
+        out, lse = absorbed_decode(q, gathered.to(q.dtype), valid, r.cfg.kv_lora_rank, scale, return_lse=r.world > 1)
         if r.world == 1:
             return out
         return self._exchange(out, lse)
