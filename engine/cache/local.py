@@ -52,9 +52,11 @@ class LocalKV:
         self.pool, self.new_rows, self.req_rows = pool, new_rows, req_rows
 
     def store(self, layer, latent, index_key):
-        self.pool.latent(layer).index_copy_(0, self.new_rows, latent.to(self.pool.latent_pool.dtype))
+        rows = self.pool.latent(layer)
+        rows.index_copy_(0, self.new_rows, latent if latent.dtype == rows.dtype else latent.to(rows.dtype))
         if index_key is not None:
-            self.pool.index(layer).index_copy_(0, self.new_rows, index_key.to(self.pool.index_pool.dtype))
+            rows = self.pool.index(layer)
+            rows.index_copy_(0, self.new_rows, index_key if index_key.dtype == rows.dtype else index_key.to(rows.dtype))
 
     def latent(self, layer, req):
         return self.pool.latent(layer)[self.req_rows[req]]

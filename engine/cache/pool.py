@@ -33,6 +33,9 @@ class KVPool:
         self.latent_pool = torch.zeros(len(self.layers), num_rows, cfg.latent_dim, dtype=dtype, device=device)
         self.index_pool = torch.zeros(len(self.index_layers), num_rows, max(cfg.index_head_dim, 1), dtype=dtype,
                                       device=device)
+        # per-layer views, made once: indexing the pool tensor each time is a torch call
+        self._latent_views = list(self.latent_pool.unbind(0))
+        self._index_views = dict(zip(self.index_layers, self.index_pool.unbind(0)))
         from engine.cache.local import RowGatherer
 
         self.gather = RowGatherer()  # reused decode-attention buffer
@@ -42,11 +45,11 @@ class KVPool:
 
     def latent(self, layer: int) -> torch.Tensor:
         """[rows, latent_dim] view of one layer."""
-        return self.latent_pool[layer - self.layers.start]
+        return self._latent_views[layer - self.layers.start]
 
     def index(self, layer: int) -> torch.Tensor:
         """[rows, index_head_dim] view of one indexer layer."""
-        return self.index_pool[self.index_layers.index(layer)]
+        return self._index_views[layer]
 
     @property
     def nbytes(self) -> int:

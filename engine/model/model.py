@@ -60,6 +60,10 @@ class LayerNorm(nn.LayerNorm):
     __call__ = nn.LayerNorm.forward
 
 
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()  # (.float() on fp32 is still a torch call)
+
+
 def _linear(i: int, o: int, bias: bool = False) -> nn.Linear:
     layer = Linear(i, o, bias=bias)
     layer.requires_grad_(False)
@@ -88,8 +92,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        w = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
-        scores = F.linear(x if x.dtype == torch.float32 else x.float(), w).sigmoid()
+        scores = F.linear(_fp32(x), _fp32(self.weight)).sigmoid()
         choice = scores + self.e_score_correction_bias
         if cfg.topk_group < cfg.n_group:  # keep the experts of the best topk_group groups
             per_group = cfg.n_routed_experts // cfg.n_group
@@ -149,7 +152,7 @@ class Experts(nn.Module):
         h = x[:, None, None, :].expand(t, k, 1, x.shape[-1]).reshape(t * k, 1, x.shape[-1])  # [t·k, 1, H]
         a = F.silu(torch.bmm(h, self.gate_proj[flat].transpose(1, 2))) * torch.bmm(h, self.up_proj[flat].transpose(1, 2))
         o = torch.bmm(a, self.down_proj[flat].transpose(1, 2)).view(t, k, -1)
-        return (o * weights.to(x.dtype).unsqueeze(-1)).sum(1)
+        return (o * (weights if weights.dtype == x.dtype else weights.to(x.dtype)).unsqueeze(-1)).sum(1)
 
 
 class MoE(nn.Module):
@@ -196,13 +199,14 @@ class Indexer(nn.Module):
     def query(self, x: torch.Tensor, q_resid: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
         """(index queries [T, H, d] in fp32, head weights [T, H] in fp32, pre-scaled)."""
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
-        q = rope.apply(q, self.interleave).float()
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads ** -0.5)
+        q = _fp32(rope.apply(q, self.interleave))
+        wdt = self.weights_proj.weight.dtype
+        w = _fp32(self.weights_proj(x if x.dtype == wdt else x.to(wdt))) * (self.n_heads ** -0.5)
         return q, w
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Index scores [Tq, L] for queries q [Tq, H, d], weights w [Tq, H], keys [L, d]."""
-        s = F.relu(torch.matmul(q, (keys if keys.dtype == torch.float32 else keys.float()).t()) * self.scale)
+        s = F.relu(torch.matmul(q, _fp32(keys).t()) * self.scale)
         return torch.bmm(w.unsqueeze(1), s).squeeze(1)
 
 
@@ -399,4 +403,4 @@ class CausalLM(nn.Module):
             if layer_sel is not None:
                 sel = layer_sel
         x = self.model.norm(x[batch.logit_index])
-        return self.lm_head(x).float()
+        return _fp32(self.lm_head(x))

@@ -58,7 +58,10 @@ class Rotary:
         """Tables of shape [T, dim] (cat(f, f)), times the attention factor."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype, as_matrix: bool = False) -> "RopeTables":
         return RopeTables(*self.cos_sin(positions, dtype), as_matrix)
@@ -100,7 +103,7 @@ class RopeTables:
             flat_c, flat_s, identity = _rotation_pattern(self.dim, interleave, width)
             half = self.dim // 2
             c, s = self.cos[:, :half], self.sin[:, :half]
-            m = identity.to(self.cos.dtype).repeat(self.cos.shape[0], 1)  # [T, width²]; axes past dim pass through
+            m = (identity if identity.dtype == self.cos.dtype else identity.to(self.cos.dtype)).repeat(self.cos.shape[0], 1)  # [T, width²]; axes past dim pass through
             # out[dst] = x[src_c] * cos + x[src_s] * (∓ sin)
             m[:, flat_c] = torch.cat([c, c], dim=1)
             m[:, flat_s] = torch.cat([-s, s], dim=1)
