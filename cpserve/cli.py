@@ -66,7 +66,12 @@ def cmd_reference(args, parser) -> int:
     from engine.reference import ReferenceEngine
 
     t0 = time.perf_counter()
-    engine = ReferenceEngine(args.model, dtype=args.dtype, chunk_size=args.chunk_size)
+    try:
+        engine = ReferenceEngine(args.model, dtype=args.dtype, chunk_size=args.chunk_size, device=args.device)
+    except ValueError as e:
+        if not str(e).startswith("device:"):
+            raise
+        parser.error(f"--{e}")
     load_s = time.perf_counter() - t0
     ids = prompt_ids_from_args(args, engine.tokenizer, parser)
     seq = engine.generate([ids], sampling_from_args(args))[0]
@@ -164,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_args(p)
     add_sampling_args(p)
     p.add_argument("--chunk-size", type=int, default=4096, help="prefill chunk size in tokens")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_reference, cmd_parser=p)
 

@@ -8,6 +8,8 @@ sampling, stop tokens and ``max_new_tokens`` — the scheduler of engine/schedul
 
 from __future__ import annotations
 
+import torch
+
 from engine.cache.pool import KVPool
 from engine.cache.slots import pages_needed
 from engine.model.loader import load_model, parse_dtype
@@ -19,12 +21,30 @@ from engine.scheduler import Engine, Scheduler
 
 class ReferenceEngine(Engine):
     def __init__(self, model: str = "tiny", dtype: str = "fp32", chunk_size: int = 4096, page_size: int = 16,
-                 max_cache_tokens: int = 1 << 17, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False):
+                 max_cache_tokens: int = 1 << 17, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False,
+                 device: str = "cpu"):
+        self.device = parse_device(device)
         self.model_dir = resolve_model_dir(model)
-        self.lm = load_model(self.model_dir, dtype)
+        self.lm = load_model(self.model_dir, dtype, self.device)
         self.cfg = self.lm.cfg
         self.tokenizer = load_tokenizer(self.model_dir)
         num_pages = pages_needed(max_cache_tokens, page_size, 1)
-        self.pool = KVPool(self.cfg, num_pages * page_size, parse_dtype(dtype))
+        self.pool = KVPool(self.cfg, num_pages * page_size, parse_dtype(dtype), device=self.device)
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits, prefix_cache),
-                         LocalRunner(self.lm, self.pool, trace))
+                         LocalRunner(self.lm, self.pool, trace, self.device))
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """'cpu', 'cuda' or 'cuda:N', checked against what this machine has."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {device!r} is not a torch device ('cpu', 'cuda', 'cuda:N')") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device (torch {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r} asked for, but there are {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise ValueError(f"device: {device!r} is not supported (cpu or cuda)")
+    return dev

@@ -32,13 +32,25 @@ def logit_items(plan: StepPlan) -> list[int]:
 
 
 class LocalRunner:
-    """Every row on this process. What crosses: nothing."""
+    """Every row on this process. What crosses: nothing.
 
-    def __init__(self, lm, pool: KVPool, trace: bool = False):
+    ``device``: where the model, the cache and the forward live. The forward runs under
+    ``torch.device(device)``, so the tensors it makes land there; the scheduler's slot lists
+    are moved in, the logits moved out (sampling stays on the host).
+    """
+
+    def __init__(self, lm, pool: KVPool, trace: bool = False, device: str | torch.device = "cpu"):
         self.lm, self.pool = lm, pool
         self.trace: dict | None = {} if trace else None
+        self.device = torch.device(device)
 
     def run(self, plan: StepPlan) -> dict[int, torch.Tensor]:
+        if self.device.type == "cpu":
+            return self._run(plan)
+        with torch.device(self.device):
+            return {k: v.cpu() for k, v in self._run(plan).items()}
+
+    def _run(self, plan: StepPlan) -> dict[int, torch.Tensor]:
         ids, pos, new_slots, counts, kv_lens = batch_inputs(plan)
         views, start = [], 0
         for n, kv_len, p in zip(counts, kv_lens, pos.split(counts)):
@@ -46,7 +58,8 @@ class LocalRunner:
             start += n
         ends = torch.cumsum(torch.tensor(counts), 0) - 1
         want = logit_items(plan)
-        kv = LocalKV(self.pool, torch.cat(new_slots), [it.slots for it in plan.items])
+        dev = self.device
+        kv = LocalKV(self.pool, torch.cat(new_slots).to(dev), [it.slots.to(dev) for it in plan.items])
         batch = ForwardBatch(ids, pos, views, kv, ends[want], is_decode=plan.is_decode, trace=self.trace)
         logits = self.lm(batch)
         return {plan.items[i].req_id: logits[j] for j, i in enumerate(want)}

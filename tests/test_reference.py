@@ -276,3 +276,33 @@ def test_gathered_experts_equal_the_expert_loop():
     x = torch.randn(3, cfg.hidden_size, generator=g)
     idx, w = router(x)
     assert torch.allclose(ex(x, idx, w, decode=True), ex(x, idx, w), atol=1e-6)
+
+
+# ---- device -----------------------------------------------------------------------------------
+def test_device_is_checked(glm_dir, capsys):
+    from cpserve.cli import main
+
+    with pytest.raises(ValueError, match="device: 'tpu'"):
+        ReferenceEngine(str(glm_dir), device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device: 'cuda'.*no CUDA device"):
+            ReferenceEngine(str(glm_dir), device="cuda")
+        with pytest.raises(SystemExit) as e:
+            main(["reference", "--model", str(glm_dir), "--prompt-ids", "5,6", "--max-new-tokens", "2", "--device", "cuda"])
+        assert e.value.code == 2 and "--device: 'cuda'" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model_type", TYPES)
+def test_cuda_engine_matches_cpu(tmp_path, model_type):
+    path = tmp_path / "ckpt"
+    build_hf(model_type, path)
+    cpu = ReferenceEngine(str(path), record_logits=True)
+    gpu = ReferenceEngine(str(path), record_logits=True, device="cuda")
+    assert gpu.pool.latent_pool.is_cuda and next(gpu.lm.parameters()).is_cuda
+    batch = prompts([5, TOPK + 7, 4 * TOPK + 9], seed=11)
+    params = SamplingParams(max_new_tokens=16, stop_token_ids=())
+    for a, b in zip(cpu.generate(batch, params), gpu.generate(batch, params)):
+        assert a.output_ids == b.output_ids
+        assert torch.allclose(torch.stack(a.logits), torch.stack(b.logits), rtol=1e-3, atol=1e-3)

@@ -124,6 +124,6 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str
     state = {n: t.to(device=device, dtype=torch.float32 if n.endswith(keep_fp32) else torch_dtype, copy=True)
              for n, t in tensors.items()}
     lm.load_state_dict(state, strict=True, assign=True)
-    lm.rotary = type(lm.rotary)(cfg)
+    lm.rotary = type(lm.rotary)(cfg, device)
     lm.eval()
     return lm

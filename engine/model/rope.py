@@ -50,8 +50,10 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 class Rotary:
     """Precomputed frequencies; `tables(positions)` gives the per-forward rotation."""
 
-    def __init__(self, cfg: ModelConfig):
-        self.inv_freq, self.scaling = rope_inv_freq(cfg)
+    def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu"):
+        with torch.device("cpu"):  # (also when the model is built on the meta device)
+            inv_freq, self.scaling = rope_inv_freq(cfg)
+        self.inv_freq = inv_freq.to(device)
         self.dim = cfg.qk_rope_head_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +102,7 @@ class RopeTables:
         key = (interleave, width)
         m = self._matrices.get(key)
         if m is None:
-            flat_c, flat_s, identity = _rotation_pattern(self.dim, interleave, width)
+            flat_c, flat_s, identity = _rotation_pattern(self.dim, interleave, width, self.cos.device)
             half = self.dim // 2
             c, s = self.cos[:, :half], self.sin[:, :half]
             m = (identity if identity.dtype == self.cos.dtype else identity.to(self.cos.dtype)).repeat(self.cos.shape[0], 1)  # [T, width²]; axes past dim pass through
@@ -113,19 +115,19 @@ class RopeTables:
 
 
 @functools.lru_cache(maxsize=None)
-def _rotation_pattern(dim: int, interleave: bool, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rotation_pattern(dim: int, interleave: bool, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat [width, width] offsets of the cos and sin terms of each rotated output (matching
     :func:`apply_rope`), and the flattened matrix that passes axes ≥ dim through unchanged."""
     half = dim // 2
-    j = torch.arange(half)
+    j = torch.arange(half, device="cpu")
     if interleave:  # out[j] = x[2j]c - x[2j+1]s ; out[half+j] = x[2j+1]c + x[2j]s
         src_c, src_s, dst = torch.cat([2 * j, 2 * j + 1]), torch.cat([2 * j + 1, 2 * j]), torch.cat([j, half + j])
     else:  # half-split: out[j] = x[j]c - x[j+half]s ; out[j+half] = x[j+half]c + x[j]s
         src_c, src_s, dst = torch.cat([j, j + half]), torch.cat([j + half, j]), torch.cat([j, j + half])
-    identity = torch.zeros(width, width)
-    rest = torch.arange(dim, width)
+    identity = torch.zeros(width, width, device="cpu")
+    rest = torch.arange(dim, width, device="cpu")
     identity[rest, rest] = 1
-    return src_c * width + dst, src_s * width + dst, identity.view(1, -1)
+    return tuple(t.to(device) for t in (src_c * width + dst, src_s * width + dst, identity.view(1, -1)))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
