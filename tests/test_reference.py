@@ -210,6 +210,12 @@ def test_sparse_extend_attention_equals_dense_masked():
     mask = topk_mask(torch.randn(50, 300, generator=g), 16, causal)
     dense = extend_attention(q, k, v, mask, 0.3)[0]
     assert torch.allclose(sparse_extend_attention(q, k, v, mask, 0.3, 16), dense, atol=1e-6)
+    # both forms return the same base-e LSE when asked
+    dense_out, dense_lse = extend_attention(q, k, v, mask, 0.3, return_lse=True)
+    sparse_out, sparse_lse = sparse_extend_attention(q, k, v, mask, 0.3, 16, return_lse=True)
+    assert torch.allclose(sparse_out, dense_out, atol=1e-6) and torch.allclose(sparse_lse, dense_lse, atol=1e-5)
+    scores = torch.einsum("qhd,khd->qhk", q, k) * 0.3
+    assert torch.allclose(dense_lse, scores.masked_fill(~mask[:, None], float("-inf")).logsumexp(-1), atol=1e-5)
 
 
 # ---- decode fast paths: each equals the general form it replaces -----------------------------

@@ -71,19 +71,22 @@ def mask_to_indices(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch
 
 
 def sparse_extend_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, width: int
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, width: int,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Extend attention when each query reads at most `width` keys (DSA top-k).
 
     Gathers each query's selected keys instead of scoring all of them: O(Tq·width) instead of
     O(Tq·L). q [Tq, H, dk], k [L, H, dk], v [L, H, dv], mask [Tq, L] with ≤ width True per row.
+    Returns out [Tq, H, dv], and with ``return_lse`` also lse [Tq, H] (base e).
     """
     idx, valid = mask_to_indices(mask, min(width, mask.shape[1]))
     ks, vs = k[idx], v[idx]  # [Tq, W, H, d]
     scores = (q.unsqueeze(1) * ks).sum(-1).float() * scale  # [Tq, W, H]
     scores = scores.masked_fill(~valid.unsqueeze(-1), float("-inf"))
     probs = torch.softmax(scores, dim=1).to(v.dtype)
-    return (probs.unsqueeze(-1) * vs).sum(1)
+    out = (probs.unsqueeze(-1) * vs).sum(1)
+    return (out, torch.logsumexp(scores, dim=1)) if return_lse else out
 
 
 def absorbed_decode(
