@@ -59,10 +59,10 @@ class LocalKV:
             rows.index_copy_(0, self.new_rows, index_key if index_key.dtype == rows.dtype else index_key.to(rows.dtype))
 
     def latent(self, layer, req):
-        return self.pool.latent(layer)[self.req_rows[req]]
+        return self.pool.latent(layer).index_select(0, self.req_rows[req])
 
     def index_keys(self, layer, req):
-        return self.pool.index(layer)[self.req_rows[req]]
+        return self.pool.index(layer).index_select(0, self.req_rows[req])
 
     def decode_select(self, layer, iq, iw, k, indexer):
         """Per request: the positions its query attends to, or None for all of them."""

@@ -150,8 +150,8 @@ class Experts(nn.Module):
         t, k = idx.shape
         flat = idx.reshape(-1)
         h = x[:, None, None, :].expand(t, k, 1, x.shape[-1]).reshape(t * k, 1, x.shape[-1])  # [t·k, 1, H]
-        a = F.silu(torch.bmm(h, self.gate_proj[flat].transpose(1, 2))) * torch.bmm(h, self.up_proj[flat].transpose(1, 2))
-        o = torch.bmm(a, self.down_proj[flat].transpose(1, 2)).view(t, k, -1)
+        gate, up, down = (w.index_select(0, flat).transpose(1, 2) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        o = torch.bmm(F.silu(torch.bmm(h, gate)) * torch.bmm(h, up), down).view(t, k, -1)
         return (o * (weights if weights.dtype == x.dtype else weights.to(x.dtype)).unsqueeze(-1)).sum(1)
 
 

@@ -166,7 +166,8 @@ class DCPKV:
                 if slots.numel() <= k:
                     out.append(None)
                     continue
-                out.append(topk_select(indexer.scores(iq[b : b + 1], iw[b : b + 1], r.index[layer][slots])[0], k))
+                keys = r.index[layer].index_select(0, slots)
+                out.append(topk_select(indexer.scores(iq[b : b + 1], iw[b : b + 1], keys)[0], k))
             return out
         return self._split_select(layer, iq, iw, k, indexer)
 
@@ -188,7 +189,7 @@ class DCPKV:
             if pos.numel() == 0:
                 continue
             rows = slots[pos] // r.world
-            scores = indexer.scores(iq[b : b + 1], iw[b : b + 1], r.index[layer][rows])[0]
+            scores = indexer.scores(iq[b : b + 1], iw[b : b + 1], r.index[layer].index_select(0, rows))[0]
             keep = topk_select(scores, k)
             cand[b, : keep.numel(), 0] = scores[keep].float()
             cand[b, : keep.numel(), 1] = pos[keep].float()

@@ -99,9 +99,9 @@ class CPKV:
         width = r.cfg.latent_dim + (r.cfg.index_head_dim if has_index else 0)
         owner = layer_owner(layer, r.cfg.num_layers, r.world)
         if r.rank == owner:
-            parts = [r.pool.latent(layer)[self.prefix_slots]]
+            parts = [r.pool.latent(layer).index_select(0, self.prefix_slots)]
             if has_index:
-                parts.append(r.pool.index(layer)[self.prefix_slots])
+                parts.append(r.pool.index(layer).index_select(0, self.prefix_slots))
             buf = torch.cat(parts, dim=-1).contiguous()
         else:
             buf = torch.empty(n, width, dtype=r.dtype)
@@ -118,10 +118,10 @@ class CPKV:
         return r.pool.latent(layer), (r.pool.index(layer) if layer in r.pool.index_layers else None)
 
     def latent(self, layer, req):
-        return self._source(layer)[0][self.req_slots[req]]
+        return self._source(layer)[0].index_select(0, self.req_slots[req])
 
     def index_keys(self, layer, req):
-        return self._source(layer)[1][self.req_slots[req]]
+        return self._source(layer)[1].index_select(0, self.req_slots[req])
 
     def decode_select(self, *a, **k):
         raise NotImplementedError("prefill CP ranks run extend steps only")
