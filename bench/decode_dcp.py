@@ -31,7 +31,7 @@ on the row values (the dsa top-k selects 2048 of N keys either way).
 Breakdown (how a step's time divides): each rank's time in ``DecodeRank.run``
 (``runner.rank_seconds``) is split by bench-only wrappers installed in the rank processes
 (``CPSERVE_DCP_BENCH_TIMERS``; engine files are not changed): time inside gloo collectives
-(incl. waiting for the peer), ``pad_rows`` (copying own rows into a padded batch), absorbed
+(incl. waiting for the peer), ``gather_rows`` (copying own rows into a padded batch), absorbed
 attention math, index selection, exchange merge, and the rest (projections, MLP, Python);
 driver = step latency - slowest rank's run time (pipe round trip, plan pickling, sampling).
 Two probes of the gloo group itself: an all_reduce of one float back to back, and after 1 ms of
@@ -96,7 +96,7 @@ def _install_rank_timers() -> None:
 
     for name in _COLLECTIVES:
         setattr(dist, name, timed("comm:" + name, original[name]))
-    dcp.pad_rows = timed("gather_rows", dcp.pad_rows)
+    dcp.RowGatherer.__call__ = timed("gather_rows", dcp.RowGatherer.__call__)
     dcp.absorbed_decode = timed("attention", dcp.absorbed_decode)
     dcp.DCPKV.decode_select = timed("index_select", dcp.DCPKV.decode_select)
     dcp.DCPKV._exchange = timed("exchange_local", dcp.DCPKV._exchange)
@@ -533,7 +533,7 @@ def _plot(results, capacity, out_dir):
         ax[i].legend(fontsize=7)
     longest = max(r["context"] for r in results)
     rs = [r for r in results if r["context"] == longest]
-    parts = [("attention", "attention"), ("gather_rows", "pad_rows copy"), ("index_select", "index select"),
+    parts = [("attention", "attention"), ("gather_rows", "gather_rows copy"), ("index_select", "index select"),
              ("exchange_local", "exchange merge"), ("other", "other rank compute"), ("comm", "in collectives"),
              ("driver", "driver + pipe")]
     bottom = [0.0] * len(rs)
@@ -627,10 +627,10 @@ def main() -> None:
                      max(r["bytes_sent_per_rank_per_step"]) / 1024])
     print_table(f"DCP decode step latency: batch {args.batch}, median of {results[0]['steps']} steps "
                 f"(variants interleaved), 1 thread/rank, fp32. Breakdown: slowest rank, mean ms/step",
-                ["model", "ctx", "variant", "median", "min", "C1/it", "rank run", "attn+copy", "pad_rows", "index",
+                ["model", "ctx", "variant", "median", "min", "C1/it", "rank run", "attn+copy", "gather_rows", "index",
                  "other", "desched", "in colls", "colls (exp)", "driver", "CPU all ranks", "KiB sent"], rows)
     print("  columns (ms/step unless noted): rank run = slowest rank inside DecodeRank.run; attn+copy = "
-          "pad_rows copy + absorbed attention; index = top-k selection (comm excluded); other = projections, "
+          "gather_rows copy + absorbed attention; index = top-k selection (comm excluded); other = projections, "
           "MLP, norms, exchange merge, Python; desched = compute wall - thread CPU (waiting for a core); "
           "in colls = inside gloo collectives (incl. waiting for the peer); driver = step - rank run "
           "(plan, pipe, sampling); CPU all ranks = process CPU time summed over ranks; KiB sent = per rank")
