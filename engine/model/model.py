@@ -181,7 +181,7 @@ class Indexer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.topk = cfg.index_topk
         self.interleave = cfg.indexer_rope_interleave
         self.wq_b = _linear(cfg.q_lora_rank, self.n_heads * self.head_dim)

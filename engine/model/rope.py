@@ -54,7 +54,6 @@ class Rotary:
         with torch.device("cpu"):  # (also when the model is built on the meta device)
             inv_freq, self.scaling = rope_inv_freq(cfg)
         self.inv_freq = inv_freq.to(device)
-        self.dim = cfg.qk_rope_head_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables of shape [T, dim] (cat(f, f)), times the attention factor."""
@@ -69,8 +68,8 @@ class Rotary:
         return RopeTables(*self.cos_sin(positions, dtype), as_matrix)
 
 
-# A decode step rotates a few tokens ~12 times (q, k, index q, index k per layer): as one small
-# batched matmul per call instead of ~13 element-wise ops, the rotation stops being a third of
+# A decode step rotates its few tokens up to 4 times a layer (q, k, index q, index k): as one
+# small batched matmul a rotation instead of ~13 element-wise ops, rotary stops being a third of
 # the step's op dispatches. Prefill keeps the element-wise form (a [T, w, w] table per token
 # would not pay off, and CP ranks must rotate exactly as the reference does).
 class RopeTables:
