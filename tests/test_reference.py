@@ -312,3 +312,20 @@ def test_cuda_engine_matches_cpu(tmp_path, model_type):
     for a, b in zip(cpu.generate(batch, params), gpu.generate(batch, params)):
         assert a.output_ids == b.output_ids
         assert torch.allclose(torch.stack(a.logits), torch.stack(b.logits), rtol=1e-3, atol=1e-3)
+
+
+def test_row_gatherer_reuses_its_buffer_for_large_gathers():
+    from engine.cache.local import RowGatherer
+
+    g = torch.Generator().manual_seed(4)
+    pool = torch.randn(5000, 300, generator=g)
+    gather = RowGatherer()
+    small = torch.randperm(5000, generator=g)[:100]
+    big = torch.randperm(5000, generator=g)[: RowGatherer.FRESH_MAX_VALUES // 300 + 1]
+    rows, valid = gather(pool, [small])
+    assert valid is None and torch.equal(rows[0], pool[small]) and gather.buf is None  # fresh tensor
+    rows, valid = gather(pool, [big])
+    assert valid is None and torch.equal(rows[0], pool[big]) and rows.data_ptr() == gather.buf.data_ptr()
+    rows2, valid = gather(pool, [small, big[:7]])  # padded batch: same buffer, a mask
+    assert rows2.data_ptr() == gather.buf.data_ptr() and valid.sum(1).tolist() == [100, 7]
+    assert torch.equal(rows2[0], pool[small]) and torch.equal(rows2[1, :7], pool[big[:7]])
