@@ -60,7 +60,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -296,52 +295,6 @@ def serve_reference(args: argparse.Namespace) -> None:
     core.loop.stop()
 
 
-class ReferenceServer:
-    """The child process running :func:`serve_reference`."""
-
-    def __init__(self, model: str, threads: int):
-        argv = [sys.executable, os.path.abspath(__file__), "--serve-reference", "--model", model,
-                "--ref-threads", str(threads)]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1, start_new_session=True)
-        self.address: str | None = None
-        self.ready_at = float("nan")
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith(_READY) and self.address is None:
-                self.address, self.ready_at = line[len(_READY):].strip(), time.perf_counter()
-                self._ready.set()
-        self._ready.set()
-
-    def wait_ready(self, timeout_s: float = 120) -> str:
-        self._ready.wait(timeout_s)
-        if self.address is None:
-            self.stop()
-            raise RuntimeError("the reference server did not start:\n" + "".join(self.lines[-15:]))
-        return self.address
-
-    def signal_stop(self) -> None:
-        """Ask the child to stop (closing its stdin) without waiting."""
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.signal_stop()
-                self.proc.wait(20)
-            except (subprocess.TimeoutExpired, OSError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-
-
 # ---- the load generator -------------------------------------------------------------------------
 @dataclass
 class Result:
@@ -464,7 +417,7 @@ def main() -> None:
     from tqdm import tqdm
 
     from engine.model.config import ModelConfig
-    from services.up import start_cluster, stop_cluster
+    from services.up import Child, start_cluster, stop_cluster
 
     t_all = time.perf_counter()
     levels = [int(x) for x in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",")]
@@ -480,7 +433,9 @@ def main() -> None:
 
     # Both systems start at once (the reference loads while the cluster's ranks come up).
     t0 = time.perf_counter()
-    ref = ReferenceServer(args.model, args.ref_threads)
+    ref = Child("reference", [], quiet=True, command=[
+        sys.executable, os.path.abspath(__file__), "--serve-reference", "--model", args.model,
+        "--ref-threads", str(args.ref_threads)])
     cluster_ns = argparse.Namespace(config=None, model=args.model, prefill_cp=2, cp_strategy="interleave",
                                     layer_split=None, decode_dcp=2, indexer="copied", dcp_comm="a2a",
                                     host="127.0.0.1", api_key=None)
@@ -519,10 +474,8 @@ def main() -> None:
     finally:
         t_stop = time.perf_counter()
         # Every service shuts down at once (each takes seconds: gRPC grace, rank groups), then wait.
-        for child in children:
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        ref.signal_stop()
+        for child in [*children, ref]:
+            child.signal_stop()
         stop_cluster(children)
         ref.stop()
         shutdown_s = time.perf_counter() - t_stop

@@ -23,14 +23,20 @@ _SERVING = re.compile(r"serving (\w+) on (\S+)")
 
 
 class Child:
-    """One service process; its output is echoed with a prefix once it is up."""
+    """One service process; its output is echoed with a prefix once it is up.
 
-    def __init__(self, kind: str, argv: list[str], quiet: bool = False):
+    It is up when it prints ``serving <kind> on <address>``. ``command`` replaces the default
+    ``cpserve serve <kind> <argv>`` (e.g. a benchmark's own server mode).
+    """
+
+    def __init__(self, kind: str, argv: list[str], quiet: bool = False, command: list[str] | None = None):
         self.kind, self.quiet = kind, quiet
-        self.proc = subprocess.Popen([sys.executable, "-m", "cpserve.cli", "serve", kind, *argv],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     start_new_session=True)
+        cmd = command if command is not None else [sys.executable, "-m", "cpserve.cli", "serve", kind, *argv]
+        # stdin is a pipe the child may watch: it closes when this process is gone, however it ends
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1, start_new_session=True)
         self.address: str | None = None
+        self.ready_at = float("nan")  # perf_counter() when the ready line came
         self.lines: list[str] = []
         self._ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -41,7 +47,7 @@ class Child:
             del self.lines[:-200]
             m = _SERVING.search(line)
             if m and m.group(1) == self.kind and self.address is None:
-                self.address = m.group(2)
+                self.address, self.ready_at = m.group(2), time.perf_counter()
                 self._ready.set()
             elif not self.quiet and self._ready.is_set():
                 sys.stderr.write(f"[{self.kind}] {line}")
@@ -55,9 +61,14 @@ class Child:
             raise RuntimeError(f"the {self.kind} service did not start (exit {self.proc.poll()}):\n{tail}")
         return self.address
 
-    def stop(self, timeout_s: float = 15) -> None:
+    def signal_stop(self) -> None:
+        """Ask the process to stop (SIGTERM) without waiting."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 15) -> None:
+        if self.proc.poll() is None:
+            self.signal_stop()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
