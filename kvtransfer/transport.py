@@ -41,6 +41,11 @@ Failure behaviour, and what this module adds so that nothing fails silently:
 - Peer that is alive but not responding (e.g. stopped): a write on an established connection
   blocks until ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (default 30 s, read at each write) passes with no
   progress; the first contact with such a peer blocks ~60 s in the handshake (not adjustable).
+  Even a 4 KiB write blocks there, far below what socket buffers absorb: with this version a
+  TCP write completes only when the peer has acknowledged the bytes into its memory, which is
+  what lets the decode side read the rows as soon as the prefill reply arrives. (Newer
+  Mooncake sources complete a TCP write on the local send; `tests/test_transport.py` checks
+  this property so that an upgrade cannot drop it silently.)
   The calls release the GIL, so other threads keep running. Mooncake drops the connection
   itself on timeout; abandoning a write from Python instead would let a late write land in
   rows the peer may have reused, so this module does not put its own watchdog around it.

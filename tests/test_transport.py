@@ -121,6 +121,29 @@ def _digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.numpy()).hexdigest()
 
 
+def _stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped.
+
+    ``kill`` only queues the signal: on a loaded machine the peer's transfer thread can still
+    run (and acknowledge a write) for a moment after it returns, so a test that writes right
+    away would race the stop.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # the thread exited meanwhile
+                continue
+        if states and all(state == "T" for state in states):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not stop within {timeout} s")
+
+
 def _call_with_deadline(fn, seconds: float):
     """Run ``fn`` in a thread; fail if it is still blocked after ``seconds``.
 
@@ -209,13 +232,19 @@ def test_write_to_exited_peer_raises_within_5s(transport, source, peer_factory):
 def test_write_to_stopped_peer_fails_after_progress_timeout(transport, source, peer_factory,
                                                             monkeypatch):
     """A peer that is alive but silent (SIGSTOP) blocks a write until Mooncake's progress
-    timeout, which it reads at each write; it then fails like any other write."""
+    timeout, which it reads at each write; it then fails like any other write.
+
+    The write is 4 KiB, far less than the socket buffers hold: it blocks only because the
+    engine waits for the peer to acknowledge that the bytes are in its memory. That wait is the
+    `KVTransport` contract the decode side relies on (it reads the rows as soon as the prefill
+    reply comes); an engine version that completed writes on the local send would fail here.
+    """
     monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "2")
     peer = peer_factory(MiB)
     transport.write_batch(peer.session, [source.ptr], [peer.ptr], [4096])
-    os.kill(peer.process.pid, signal.SIGSTOP)
+    _stop_process(peer.process.pid)
     error, elapsed = _call_with_deadline(
-        lambda: transport.write_batch(peer.session, [source.ptr], [peer.ptr], [MiB]), 20)
+        lambda: transport.write_batch(peer.session, [source.ptr], [peer.ptr], [4096]), 20)
     assert isinstance(error, TransferError), error
     assert error.peer == peer.session
     assert elapsed >= 1.5
