@@ -329,3 +329,18 @@ def test_row_gatherer_reuses_its_buffer_for_large_gathers():
     rows2, valid = gather(pool, [small, big[:7]])  # padded batch: same buffer, a mask
     assert rows2.data_ptr() == gather.buf.data_ptr() and valid.sum(1).tolist() == [100, 7]
     assert torch.equal(rows2[0], pool[small]) and torch.equal(rows2[1, :7], pool[big[:7]])
+
+
+def test_bound_attributes_follow_reassignment(glm_dir):
+    """`bind_attributes` makes parameters plain instance attributes; setting one again (as the
+    DCP head split does) must be seen, never the stale bound one."""
+    from engine.model.loader import load_model
+
+    lm = load_model(glm_dir)
+    proj = lm.model.layers[0].self_attn.o_proj
+    assert proj.__dict__["weight"] is proj._parameters["weight"]
+    replacement = torch.nn.Parameter(torch.zeros_like(proj.weight), requires_grad=False)
+    proj.weight = replacement
+    assert proj.weight is replacement
+    lm.bind_attributes()
+    assert proj.__dict__["weight"] is replacement

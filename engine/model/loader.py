@@ -126,4 +126,5 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str
     lm.load_state_dict(state, strict=True, assign=True)
     lm.rotary = type(lm.rotary)(cfg, device)
     lm.eval()
+    lm.bind_attributes()
     return lm

@@ -393,6 +393,22 @@ class CausalLM(nn.Module):
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = Rotary(cfg)
 
+    def bind_attributes(self) -> None:
+        """Put every submodule and parameter into its owner's instance ``__dict__``.
+
+        ``self.weight`` on an nn.Module is a miss in ``__dict__`` followed by a Python-level
+        ``__getattr__`` that searches ``_parameters``/``_buffers``/``_modules``: ~250 of them a
+        decode step, ~8% of a small model's step. Binding them makes each a plain lookup. Safe
+        against later reassignment: nn.Module's ``__setattr__`` drops the ``__dict__`` entry
+        when a parameter or submodule is set again. Buffers are not bound: setting a buffer
+        again would leave a stale entry. Call it once the weights are in place.
+        """
+        for module in self.modules():
+            for store in (module._parameters, module._modules):
+                for name, value in store.items():
+                    if value is not None:
+                        module.__dict__[name] = value
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)

@@ -94,6 +94,7 @@ def shard_for_dcp(lm: CausalLM, rank: int, world: int, replicate_q_proj: bool) -
                     lin = getattr(mlp, name)
                     lin.weight = torch.nn.Parameter(_rows(lin.weight, rank, world), requires_grad=False)
                 mlp.down_proj.weight = torch.nn.Parameter(_cols(mlp.down_proj.weight, rank, world), requires_grad=False)
+    lm.bind_attributes()  # the reassigned parameters dropped out of it
 
 
 # ---- cache access of one DCP rank ------------------------------------------------------------
