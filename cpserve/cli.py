@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_args(p)
     p.add_argument("--port", type=int, default=8000, help="router HTTP port (OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=0, help="router gRPC port (0: a free one)")
+    p.add_argument("--no-demo", dest="demo", action="store_false",
+                   help="skip the demo request that `up` sends through the cluster once it is ready")
     p.set_defaults(handler=run_up, cmd_parser=p)
 
     p = sub.add_parser("generate", help="one request through a temporary local cluster (same options as up)")

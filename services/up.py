@@ -128,22 +128,73 @@ def stop_cluster(children: list[Child]) -> None:
         child.stop()
 
 
+DEMO_PROMPT = "Context parallelism splits long prompts across ranks."
+
+
+def stream_completion(address: str, body: dict, api_key: str | None = None) -> tuple[list[int], float, float]:
+    """POST a streamed ``/v1/completions`` to the router at ``address``.
+
+    Returns (token ids, TTFT ms, TPOT ms; NaN where undefined). A non-200 answer raises
+    ``RuntimeError`` with the router's status and body.
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    t0 = time.perf_counter()
+    times: list[float] = []
+    ids: list[int] = []
+    with httpx.Client(timeout=600, trust_env=False) as client:
+        with client.stream("POST", f"http://{address}/v1/completions",
+                           json={**body, "stream": True, "return_token_ids": True}, headers=headers) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise RuntimeError(f"{resp.status_code} {resp.text}")
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                new = json.loads(line[6:])["choices"][0].get("token_ids") or []
+                if new:
+                    times.append(time.perf_counter())
+                    ids += new
+    ttft = (times[0] - t0) * 1e3 if times else float("nan")
+    tpot = (times[-1] - times[0]) * 1e3 / (len(ids) - 1) if len(ids) > 1 else float("nan")
+    return ids, ttft, tpot
+
+
+def _tokenizer(model: str | None):
+    from engine.model.tiny import resolve_model_dir
+    from engine.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_dir(model or "tiny"))
+
+
 def run_up(args: argparse.Namespace, parser=None) -> int:
     t0 = time.perf_counter()
     print("starting prefill, decode and router services ...", flush=True)
     children = start_cluster(args, args.port, args.grpc_port)
-    http = children[-1].address
-    print(f"cluster ready in {time.perf_counter() - t0:.1f} s")
-    print(f"  prefill : {children[0].address} (gRPC)")
-    print(f"  decode  : {children[1].address} (gRPC)")
-    print(f"  router  : http://{http}/v1  (OpenAI API; /health, /metrics)")
-    print(f"  try     : curl http://{http}/v1/completions -H 'Content-Type: application/json' "
-          "-d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 8}'")
-    print("Ctrl-C stops every service.", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        http = children[-1].address
+        print(f"cluster ready in {time.perf_counter() - t0:.1f} s")
+        print(f"  prefill : {children[0].address} (gRPC)")
+        print(f"  decode  : {children[1].address} (gRPC)")
+        print(f"  router  : http://{http}/v1  (OpenAI API; /health, /metrics)", flush=True)
+        if args.demo:
+            # One request through the whole path (router → prefill group → KV transfer → decode
+            # group) before serving: proof that the cluster works, with its timings.
+            body = {"model": args.model or "tiny", "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}
+            try:
+                ids, ttft, tpot = stream_completion(http, body, args.api_key)
+            except (RuntimeError, OSError) as e:
+                print(f"error: the demo request failed: {e}; stopping", file=sys.stderr)
+                return 1
+            print(f"  demo    : {DEMO_PROMPT!r} -> {_tokenizer(args.model).decode(ids)!r}")
+            print(f"            {len(ids)} tokens, TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms/token, ids {ids}")
+        print(f"  try     : curl http://{http}/v1/completions -H 'Content-Type: application/json' "
+              "-d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 8}'")
+        print("Ctrl-C stops every service.", flush=True)
         while not stop.wait(1.0):
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:
@@ -152,58 +203,34 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
                 return 1
     finally:
         stop_cluster(children)
-        print("stopped.")
+        print("stopped.", flush=True)
     return 0
 
 
 def run_generate(args: argparse.Namespace, parser=None) -> int:
-    import httpx
-
     from cpserve.cli import print_generation
 
+    body = {"model": args.model or "tiny", "max_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "ignore_eos": args.ignore_eos}
+    if args.top_k:
+        body["top_k"] = args.top_k
+    if args.seed is not None:
+        body["seed"] = args.seed
+    if args.prompt_ids is not None:
+        try:
+            body["prompt"] = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            parser.error(f"--prompt-ids: expected comma-separated integers, got {args.prompt_ids!r}")
+    else:
+        body["prompt"] = args.prompt
     children = start_cluster(args, 0, None, quiet=True)
     try:
-        body = {"model": args.model or "tiny", "max_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "top_p": args.top_p, "return_token_ids": True, "ignore_eos": args.ignore_eos}
-        if args.top_k:
-            body["top_k"] = args.top_k
-        if args.seed is not None:
-            body["seed"] = args.seed
-        if args.prompt_ids is not None:
-            try:
-                body["prompt"] = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-            except ValueError:
-                parser.error(f"--prompt-ids: expected comma-separated integers, got {args.prompt_ids!r}")
-        else:
-            body["prompt"] = args.prompt
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        t0 = time.perf_counter()
-        first = None
-        ids: list[int] = []
-        with httpx.Client(timeout=600, trust_env=False) as client:
-            with client.stream("POST", f"http://{children[-1].address}/v1/completions",
-                               json={**body, "stream": True}, headers=headers) as resp:
-                if resp.status_code != 200:
-                    resp.read()
-                    print(f"error: {resp.status_code} {resp.text}", file=sys.stderr)
-                    return 2
-                times = []
-                for line in resp.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    new = chunk["choices"][0].get("token_ids") or []
-                    if new:
-                        now = time.perf_counter()
-                        first = first or now
-                        times.append(now)
-                        ids += new
-        ttft = (first - t0) * 1e3 if first else float("nan")
-        tpot = (times[-1] - times[0]) * 1e3 / (len(ids) - 1) if len(ids) > 1 else float("nan")
-        from engine.model.tiny import resolve_model_dir
-        from engine.model.tokenizer import load_tokenizer
-
-        print_generation(args, load_tokenizer(resolve_model_dir(args.model or "tiny")), ids, ttft, tpot)
+        try:
+            ids, ttft, tpot = stream_completion(children[-1].address, body, args.api_key)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print_generation(args, _tokenizer(args.model), ids, ttft, tpot)
         return 0
     finally:
         stop_cluster(children)

@@ -213,3 +213,45 @@ def test_killing_the_prefill_service_mid_request_frees_decode_rows():
         assert wait_for(lambda: rows_used(children) == 0, 20)
     finally:
         stop_cluster(children)
+
+
+def test_cpserve_up_sends_a_demo_request_then_serves_until_interrupted(tmp_path):
+    """`make up` runs `cpserve up`: it starts the three services, prints one generation made
+    through the whole cluster (the reference engine's tokens), serves, and stops every process
+    on Ctrl-C."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from services.up import DEMO_PROMPT, _tokenizer
+
+    cpserve = Path(sys.executable).with_name("cpserve")
+    proc = subprocess.Popen([str(cpserve), "up", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip())
+            if line.startswith("Ctrl-C stops every service."):
+                break
+        out = "\n".join(lines)
+        assert lines and lines[-1].startswith("Ctrl-C stops"), out
+        router = re.search(r"router  : http://(\S+)/v1", out).group(1)
+        assert httpx.get(f"http://{router}/health", trust_env=False, timeout=10).status_code == 200
+        demo = re.search(r"demo    : '.*' -> (.*)\n\s+(\d+) tokens, TTFT ([\d.]+) ms", out)
+        assert demo, out
+        ref = ReferenceEngine("tiny")
+        expected = ref.generate([ref.tokenizer.encode(DEMO_PROMPT)], SamplingParams(max_new_tokens=16))[0].output_ids
+        assert demo.group(1) == repr(_tokenizer("tiny").decode(expected))
+        assert int(demo.group(2)) == len(expected) and float(demo.group(3)) > 0
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "stopped." in rest, rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
