@@ -82,6 +82,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-cp", type=int, default=None, help="prefill context-parallel ranks (default 2)")
     p.add_argument("--cp-strategy", choices=["interleave", "zigzag"], default=None)
     p.add_argument("--layer-split", action="store_true", default=None)
+    p.add_argument("--prefix-cache", action="store_true", default=None,
+                   help="prefill reuses cached prompt pages of earlier requests with the same prefix")
     p.add_argument("--decode-dcp", type=int, default=None, help="decode context-parallel ranks (default 2)")
     p.add_argument("--indexer", choices=["copied", "split"], default=None)
     p.add_argument("--dcp-comm", choices=["a2a", "ag_rs"], default=None)
@@ -106,7 +108,8 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
     children = []
     try:
         prefill = Child("prefill", common + ["--port", "0"] + _flags([
-            ("--cp", args.prefill_cp), ("--strategy", args.cp_strategy), ("--layer-split", args.layer_split)]), quiet)
+            ("--cp", args.prefill_cp), ("--strategy", args.cp_strategy), ("--layer-split", args.layer_split),
+            ("--prefix-cache", args.prefix_cache)]), quiet)
         children.append(prefill)
         decode = Child("decode", common + ["--port", "0"] + _flags([
             ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm)]), quiet)

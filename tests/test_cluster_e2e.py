@@ -27,7 +27,7 @@ LENGTHS = [1, 7, 100, 2000]
 
 def cluster_args(**kw) -> argparse.Namespace:
     base = dict(config=None, model="tiny", prefill_cp=2, cp_strategy="interleave", layer_split=None, decode_dcp=2,
-                indexer="copied", dcp_comm="a2a", host="127.0.0.1", api_key=None)
+                indexer="copied", dcp_comm="a2a", host="127.0.0.1", api_key=None, prefix_cache=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -255,3 +255,28 @@ def test_cpserve_up_sends_a_demo_request_then_serves_until_interrupted(tmp_path)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_prefix_cache_reuses_prompt_pages_and_keeps_outputs_exact():
+    """`--prefix-cache`: a prompt sharing a prefix with an earlier one computes only its new
+    tokens (usage.prompt_tokens_details.cached_tokens says how many it reused, whole 16-token
+    pages), and every output still equals the reference engine's."""
+    g = torch.Generator().manual_seed(11)
+    a = torch.randint(3, 300, (150,), generator=g).tolist()
+    b = a[:130] + torch.randint(3, 300, (40,), generator=g).tolist()
+    children = start_cluster(cluster_args(prefix_cache=True), 0, None, quiet=True)
+    try:
+        client = client_for(children)
+        cached = []
+        for prompt in (a, b, a):
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body=EXTRA)
+            assert r.choices[0].token_ids == reference("tiny", prompt)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        # b shares 130 tokens with a: 8 whole pages; a again: all its 9 whole pages (at least
+        # one prompt token is always computed, for the first token's logits).
+        assert cached == [0, 128, 144]
+        metrics = httpx.get(f"http://{children[-1].address}/metrics", trust_env=False, timeout=10).text
+        assert re.search(r"^cpserve_prefix_cached_tokens_total 272\.0$", metrics, re.M), metrics
+    finally:
+        stop_cluster(children)

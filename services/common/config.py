@@ -56,6 +56,9 @@ class PrefillConfig(_ServiceConfig):
     layer_split: bool = False
     overlap: bool = False  # push each layer's KV while later layers compute
     chunk_size: int = Field(4096, ge=1)
+    # Keep finished prompts' full pages and reuse them for later prompts with the same prefix:
+    # only the new tokens are computed (the whole prompt's KV still goes to decode).
+    prefix_cache: bool = False
 
     @property
     def engine_kwargs(self) -> dict[str, Any]:
@@ -64,7 +67,7 @@ class PrefillConfig(_ServiceConfig):
                     overlap=self.overlap,
                     dtype=self.dtype, chunk_size=self.chunk_size, page_size=self.page_size,
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.threads_per_rank,
-                    kv_transport=self.kv_protocol, kv_host=self.kv_host)
+                    kv_transport=self.kv_protocol, kv_host=self.kv_host, prefix_cache=self.prefix_cache)
 
 
 class DecodeConfig(_ServiceConfig):

@@ -127,7 +127,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             marks, stats = pending.marks, pending.transfer_stats or []
             response = prefill_pb2.PrefillResponse(
                 first_token=seq.output_ids[0], seed=seq.seed, prefill_ms=(marks[0] - t0) * 1e3,
-                transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=(time.perf_counter() - marks[1]) * 1e3)
+                transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=(time.perf_counter() - marks[1]) * 1e3,
+                cached_tokens=seq.num_cached)
         except Exception as e:
             rpc.abort(context, e)
         logger.debug("prefill: request %r → first token %d", request.request_id, response.first_token)

@@ -3,7 +3,9 @@
 Responses
 ---------
 - ``/v1/completions``: ``choices[0].text``; ``/v1/chat/completions``: ``choices[0].message``.
-  ``usage`` counts prompt and completion tokens. With ``return_token_ids`` the choice also
+  ``usage`` counts prompt and completion tokens, and ``prompt_tokens_details.cached_tokens``
+  the prompt tokens the prefill service's prefix cache already held (0 unless it runs with
+  ``prefix_cache``). With ``return_token_ids`` the choice also
   carries ``token_ids`` (generated ids) and the prompt's ids (``choices[0].prompt_token_ids``
   for completions, top-level ``prompt_token_ids`` for chat), as vLLM does.
 - ``stream: true``: server-sent events ``data: {chunk}`` and a final ``data: [DONE]``. Each
@@ -137,9 +139,10 @@ class _Shape:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage=_usage(fin))
 
 
-def _usage(fin: Finished) -> dict[str, int]:
+def _usage(fin: Finished) -> dict:
     return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-            "total_tokens": fin.prompt_tokens + fin.completion_tokens}
+            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
 
 
 def _sse(obj: dict) -> str:

@@ -63,6 +63,7 @@ class FirstToken:
     prefill_ms: float = 0.0
     transfer_bytes: int = 0
     transfer_ms: float = 0.0
+    cached_tokens: int = 0  # prompt tokens the prefill service took from its prefix cache
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Token:
 class Done:
     finish_reason: str  # "stop" | "length"
     num_tokens: int  # generated in total, the first included
+    cached_tokens: int = 0  # prompt tokens served from the prefill prefix cache
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ class GrpcPrefillClient(_GrpcService, PrefillClient):
             r = await self.stub.Prefill(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise _error(e, self.address) from None
-        return FirstToken(r.first_token, r.seed, r.prefill_ms, r.transfer_bytes, r.transfer_ms)
+        return FirstToken(r.first_token, r.seed, r.prefill_ms, r.transfer_bytes, r.transfer_ms, r.cached_tokens)
 
     async def status(self, timeout: float) -> PrefillLoad:
         try:

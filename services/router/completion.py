@@ -45,6 +45,7 @@ class Finished:
     text: str  # held-back text flushed at the end
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those the prefill prefix cache already held
 
 
 class CompletionRunner:
@@ -62,7 +63,8 @@ class CompletionRunner:
                 async for event in events:
                     if isinstance(event, Done):
                         outcome = "ok"  # set before the yield: the consumer may close us right after it
-                        yield Finished(event.finish_reason, text.flush(), len(req.job.prompt_ids), len(token_times))
+                        yield Finished(event.finish_reason, text.flush(), len(req.job.prompt_ids), len(token_times),
+                                       event.cached_tokens)
                         return
                     token_times.append(time.perf_counter())
                     if len(token_times) == 1:

@@ -20,6 +20,7 @@ Failure rules:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from contextlib import aclosing
 from typing import AsyncIterator
@@ -89,6 +90,7 @@ class Dispatcher:
             raise
         self.metrics.transfer_bytes.inc(first.transfer_bytes)
         self.metrics.transfer_seconds.inc(first.transfer_ms / 1e3)
+        self.metrics.prefix_cached_tokens.inc(first.cached_tokens)
         return reservation, first
 
     async def _stream(self, decode: Endpoint, job: Job, reservation: Reservation, first: FirstToken,
@@ -100,6 +102,8 @@ class Dispatcher:
             async with aclosing(events):
                 async for event in events:
                     finished = isinstance(event, Done)
+                    if finished and first.cached_tokens:
+                        event = dataclasses.replace(event, cached_tokens=first.cached_tokens)
                     yield event
         except BackendError as e:
             self._note_failure(decode, e)

@@ -41,6 +41,9 @@ class RouterMetrics:
                                       registry=r)
         self.transfer_seconds = Counter("cpserve_kv_transfer_seconds", "Time spent moving KV (per request, summed)",
                                         registry=r)
+        self.prefix_cached_tokens = Counter("cpserve_prefix_cached_tokens",
+                                            "Prompt tokens the prefill services took from their prefix cache",
+                                            registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # every outcome is exported from the start, at 0
 
