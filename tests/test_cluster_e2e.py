@@ -26,8 +26,14 @@ LENGTHS = [1, 7, 100, 2000]
 
 
 def cluster_args(**kw) -> argparse.Namespace:
-    base = dict(config=None, model="tiny", prefill_cp=2, cp_strategy="interleave", layer_split=None, decode_dcp=2,
-                indexer="copied", dcp_comm="a2a", host="127.0.0.1", api_key=None, prefix_cache=None)
+    from services.up import add_cluster_args
+
+    parser = argparse.ArgumentParser()
+    add_cluster_args(parser)  # `cpserve up`'s own options and defaults
+    base = vars(parser.parse_args(["--model", "tiny", "--prefill-cp", "2", "--cp-strategy", "interleave",
+                                   "--decode-dcp", "2", "--indexer", "copied", "--dcp-comm", "a2a"]))
+    unknown = set(kw) - set(base)
+    assert not unknown, f"not options of cpserve up: {sorted(unknown)}"
     return argparse.Namespace(**{**base, **kw})
 
 
