@@ -137,8 +137,9 @@ DEMO_PROMPT = "Context parallelism splits long prompts across ranks."
 def stream_completion(address: str, body: dict, api_key: str | None = None) -> tuple[list[int], float, float]:
     """POST a streamed ``/v1/completions`` to the router at ``address``.
 
-    Returns (token ids, TTFT ms, TPOT ms; NaN where undefined). A non-200 answer raises
-    ``RuntimeError`` with the router's status and body.
+    Returns (token ids, TTFT ms, TPOT ms; NaN where undefined). Every failure raises
+    ``RuntimeError`` with what went wrong: a non-200 answer (its status and body), an error
+    event in the stream, or the connection itself.
     """
     import httpx
 
@@ -146,19 +147,25 @@ def stream_completion(address: str, body: dict, api_key: str | None = None) -> t
     t0 = time.perf_counter()
     times: list[float] = []
     ids: list[int] = []
-    with httpx.Client(timeout=600, trust_env=False) as client:
-        with client.stream("POST", f"http://{address}/v1/completions",
-                           json={**body, "stream": True, "return_token_ids": True}, headers=headers) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                raise RuntimeError(f"{resp.status_code} {resp.text}")
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                new = json.loads(line[6:])["choices"][0].get("token_ids") or []
-                if new:
-                    times.append(time.perf_counter())
-                    ids += new
+    try:
+        with httpx.Client(timeout=600, trust_env=False) as client:
+            with client.stream("POST", f"http://{address}/v1/completions",
+                               json={**body, "stream": True, "return_token_ids": True}, headers=headers) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise RuntimeError(f"{resp.status_code} {resp.text}")
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:  # a failure after the first token
+                        raise RuntimeError(f"stream ended with an error: {chunk['error'].get('message')}")
+                    new = chunk["choices"][0].get("token_ids") or []
+                    if new:
+                        times.append(time.perf_counter())
+                        ids += new
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"request to the router at {address} failed: {e!r}") from None
     ttft = (times[0] - t0) * 1e3 if times else float("nan")
     tpot = (times[-1] - times[0]) * 1e3 / (len(ids) - 1) if len(ids) > 1 else float("nan")
     return ids, ttft, tpot
@@ -190,7 +197,7 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
             body = {"model": args.model or "tiny", "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}
             try:
                 ids, ttft, tpot = stream_completion(http, body, args.api_key)
-            except (RuntimeError, OSError) as e:
+            except RuntimeError as e:
                 print(f"error: the demo request failed: {e}; stopping", file=sys.stderr)
                 return 1
             print(f"  demo    : {DEMO_PROMPT!r} -> {_tokenizer(args.model).decode(ids)!r}")

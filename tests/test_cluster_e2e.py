@@ -286,3 +286,43 @@ def test_prefix_cache_reuses_prompt_pages_and_keeps_outputs_exact():
         assert re.search(r"^cpserve_prefix_cached_tokens_total 272\.0$", metrics, re.M), metrics
     finally:
         stop_cluster(children)
+
+
+def test_stream_completion_reports_failures_as_runtime_errors():
+    """What `cpserve up`'s demo and `cpserve generate` see when the router is not there or the
+    stream fails: one RuntimeError saying what happened, never a traceback from httpx or a
+    KeyError on an error event."""
+    import json as json_
+    import socket
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from services.up import stream_completion
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(RuntimeError, match="request to the router"):
+        stream_completion(dead, {"model": "tiny", "prompt": "x"})
+
+    class ErrorAfterFirstToken(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            first = {"choices": [{"index": 0, "text": "a", "token_ids": [100]}]}
+            for event in (first, {"error": {"message": "decode rank 1 died"}}):
+                self.wfile.write(f"data: {json_.dumps(event)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), ErrorAfterFirstToken)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(RuntimeError, match="decode rank 1 died"):
+            stream_completion(f"127.0.0.1:{server.server_port}", {"model": "tiny", "prompt": "x"})
+    finally:
+        server.shutdown()
