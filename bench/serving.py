@@ -417,7 +417,7 @@ def main() -> None:
     from tqdm import tqdm
 
     from engine.model.config import ModelConfig
-    from services.up import Child, add_cluster_args, start_cluster, stop_cluster
+    from services.up import Child, cluster_args, start_cluster, stop_cluster
 
     t_all = time.perf_counter()
     levels = [int(x) for x in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",")]
@@ -436,11 +436,8 @@ def main() -> None:
     ref = Child("reference", [], quiet=True, command=[
         sys.executable, os.path.abspath(__file__), "--serve-reference", "--model", args.model,
         "--ref-threads", str(args.ref_threads)])
-    cluster_parser = argparse.ArgumentParser()
-    add_cluster_args(cluster_parser)  # `cpserve up`'s own options and defaults
-    cluster_ns = cluster_parser.parse_args(["--model", args.model, "--prefill-cp", "2", "--decode-dcp", "2",
-                                            "--cp-strategy", "interleave", "--indexer", "copied",
-                                            "--dcp-comm", "a2a"])
+    cluster_ns = cluster_args(["--model", args.model, "--prefill-cp", "2", "--decode-dcp", "2",
+                               "--cp-strategy", "interleave", "--indexer", "copied", "--dcp-comm", "a2a"])
     children = []
     try:
         print("starting the cluster (prefill CP 2, decode DCP 2, router) and the reference server ...",

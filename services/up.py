@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from engine.model.tokenizer import load_tokenizer
+
 START_TIMEOUT_S = 180
 _SERVING = re.compile(r"serving (\w+) on (\S+)")
 
@@ -74,6 +76,14 @@ class Child:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
+
+
+def cluster_args(argv: list[str]) -> argparse.Namespace:
+    """`cpserve up`'s cluster options parsed from ``argv``, every other one at its default (for
+    code that starts a cluster without the CLI: benchmarks, tests)."""
+    parser = argparse.ArgumentParser()
+    add_cluster_args(parser)
+    return parser.parse_args(argv)
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -171,13 +181,6 @@ def stream_completion(address: str, body: dict, api_key: str | None = None) -> t
     return ids, ttft, tpot
 
 
-def _tokenizer(model: str | None):
-    from engine.model.tiny import resolve_model_dir
-    from engine.model.tokenizer import load_tokenizer
-
-    return load_tokenizer(resolve_model_dir(model or "tiny"))
-
-
 def run_up(args: argparse.Namespace, parser=None) -> int:
     t0 = time.perf_counter()
     print("starting prefill, decode and router services ...", flush=True)
@@ -200,7 +203,7 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
             except RuntimeError as e:
                 print(f"error: the demo request failed: {e}; stopping", file=sys.stderr)
                 return 1
-            print(f"  demo    : {DEMO_PROMPT!r} -> {_tokenizer(args.model).decode(ids)!r}")
+            print(f"  demo    : {DEMO_PROMPT!r} -> {load_tokenizer(args.model or 'tiny').decode(ids)!r}")
             print(f"            {len(ids)} tokens, TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms/token, ids {ids}")
         print(f"  try     : curl http://{http}/v1/completions -H 'Content-Type: application/json' "
               "-d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 8}'")
@@ -240,7 +243,7 @@ def run_generate(args: argparse.Namespace, parser=None) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print_generation(args, _tokenizer(args.model), ids, ttft, tpot)
+        print_generation(args, load_tokenizer(args.model or 'tiny'), ids, ttft, tpot)
         return 0
     finally:
         stop_cluster(children)

@@ -18,6 +18,7 @@ import torch
 
 from engine.model.sampler import SamplingParams
 from engine.reference import ReferenceEngine
+from services.up import cluster_args as up_args
 from services.up import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.slow
@@ -26,12 +27,8 @@ LENGTHS = [1, 7, 100, 2000]
 
 
 def cluster_args(**kw) -> argparse.Namespace:
-    from services.up import add_cluster_args
-
-    parser = argparse.ArgumentParser()
-    add_cluster_args(parser)  # `cpserve up`'s own options and defaults
-    base = vars(parser.parse_args(["--model", "tiny", "--prefill-cp", "2", "--cp-strategy", "interleave",
-                                   "--decode-dcp", "2", "--indexer", "copied", "--dcp-comm", "a2a"]))
+    base = vars(up_args(["--model", "tiny", "--prefill-cp", "2", "--cp-strategy", "interleave",
+                         "--decode-dcp", "2", "--indexer", "copied", "--dcp-comm", "a2a"]))
     unknown = set(kw) - set(base)
     assert not unknown, f"not options of cpserve up: {sorted(unknown)}"
     return argparse.Namespace(**{**base, **kw})
@@ -229,7 +226,8 @@ def test_cpserve_up_sends_a_demo_request_then_serves_until_interrupted(tmp_path)
     import sys
     from pathlib import Path
 
-    from services.up import DEMO_PROMPT, _tokenizer
+    from engine.model.tokenizer import load_tokenizer
+    from services.up import DEMO_PROMPT
 
     cpserve = Path(sys.executable).with_name("cpserve")
     proc = subprocess.Popen([str(cpserve), "up", "--port", "0"], stdout=subprocess.PIPE,
@@ -252,7 +250,7 @@ def test_cpserve_up_sends_a_demo_request_then_serves_until_interrupted(tmp_path)
         assert demo, out
         ref = ReferenceEngine("tiny")
         expected = ref.generate([ref.tokenizer.encode(DEMO_PROMPT)], SamplingParams(max_new_tokens=16))[0].output_ids
-        assert demo.group(1) == repr(_tokenizer("tiny").decode(expected))
+        assert demo.group(1) == repr(load_tokenizer("tiny").decode(expected))
         assert int(demo.group(2)) == len(expected) and float(demo.group(3)) > 0
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)

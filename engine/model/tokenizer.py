@@ -34,6 +34,9 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(model_dir: str | Path):
-    path = Path(model_dir) / "tokenizer.json"
+def load_tokenizer(model: str | Path):
+    """The tokenizer of a checkpoint directory or of an embedded model name (``tiny``...)."""
+    from engine.model.tiny import resolve_model_dir
+
+    path = resolve_model_dir(model) / "tokenizer.json"
     return HFTokenizer(path) if path.is_file() else ByteTokenizer()

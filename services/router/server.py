@@ -33,11 +33,10 @@ logger = logging.getLogger("cpserve.router")
 
 def model_context(config: RouterConfig, cluster: Cluster) -> ModelContext:
     from engine.model.config import ModelConfig
-    from engine.model.tiny import resolve_model_dir
     from engine.model.tokenizer import load_tokenizer
 
     cfg = ModelConfig.load(config.model)
-    return ModelContext(name=config.model_name, tokenizer=load_tokenizer(resolve_model_dir(config.model)),
+    return ModelContext(name=config.model_name, tokenizer=load_tokenizer(config.model),
                         vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids),
                         max_positions=cfg.max_position_embeddings, capacity_tokens=cluster.capacity_tokens,
                         default_max_tokens=config.default_max_tokens)
