@@ -12,7 +12,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError,)  # InvalidRequest, 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (embedded model; default)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute and cache dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="compute and cache dtype; auto (default) follows the checkpoint's torch_dtype "
+                        "(bf16 for an FP8 release, fp32 for the embedded tiny models)")
 
 
 def add_prompt_args(p: argparse.ArgumentParser, required: bool = True) -> None:

@@ -12,7 +12,8 @@ import torch
 
 from engine.cache.pool import KVPool
 from engine.cache.slots import pages_needed
-from engine.model.loader import load_model, parse_dtype
+from engine.model.config import ModelConfig
+from engine.model.loader import load_model, parse_dtype, resolve_dtype
 from engine.model.tiny import resolve_model_dir
 from engine.model.tokenizer import load_tokenizer
 from engine.runner import LocalRunner
@@ -20,11 +21,12 @@ from engine.scheduler import Engine, Scheduler
 
 
 class ReferenceEngine(Engine):
-    def __init__(self, model: str = "tiny", dtype: str = "fp32", chunk_size: int = 4096, page_size: int = 16,
+    def __init__(self, model: str = "tiny", dtype: str = "auto", chunk_size: int = 4096, page_size: int = 16,
                  max_cache_tokens: int = 1 << 17, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False,
                  device: str = "cpu"):
         self.device = parse_device(device)
         self.model_dir = resolve_model_dir(model)
+        dtype = self.dtype = resolve_dtype(dtype, ModelConfig.from_dir(self.model_dir))
         self.lm = load_model(self.model_dir, dtype, self.device)
         self.cfg = self.lm.cfg
         self.tokenizer = load_tokenizer(self.model_dir)

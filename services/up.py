@@ -89,6 +89,8 @@ def cluster_args(argv: list[str]) -> argparse.Namespace:
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with prefill:/decode:/router: sections")
     p.add_argument("--model", default=None, help="checkpoint directory or 'tiny' (default)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default=None,
+                   help="compute and cache dtype of prefill and decode (default auto: the checkpoint's torch_dtype)")
     p.add_argument("--prefill-cp", type=int, default=None, help="prefill context-parallel ranks (default 2)")
     p.add_argument("--cp-strategy", choices=["interleave", "zigzag"], default=None)
     p.add_argument("--layer-split", action="store_true", default=None)
@@ -115,13 +117,14 @@ def _flags(pairs: list[tuple[str, object]]) -> list[str]:
 
 def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0, quiet: bool = False) -> list[Child]:
     common = _flags([("--config", args.config), ("--model", args.model), ("--host", args.host)])
+    engine_common = _flags([("--dtype", args.dtype)])
     children = []
     try:
-        prefill = Child("prefill", common + ["--port", "0"] + _flags([
+        prefill = Child("prefill", common + engine_common + ["--port", "0"] + _flags([
             ("--cp", args.prefill_cp), ("--strategy", args.cp_strategy), ("--layer-split", args.layer_split),
             ("--prefix-cache", args.prefix_cache)]), quiet)
         children.append(prefill)
-        decode = Child("decode", common + ["--port", "0"] + _flags([
+        decode = Child("decode", common + engine_common + ["--port", "0"] + _flags([
             ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm)]), quiet)
         children.append(decode)
         p_addr, d_addr = prefill.wait_ready(), decode.wait_ready()

@@ -138,10 +138,10 @@ def test_unknown_model_type(glm_dir, tmp_path):
 
 
 @pytest.mark.parametrize("edit,pattern", [
-    ("drop", r"missing tensor model\.layers\.1\.self_attn\.kv_b_proj\.weight"),
-    ("reshape", r"model\.layers\.1\.self_attn\.kv_b_proj\.weight has shape"),
-    ("extra", r"unexpected tensor model\.layers\.0\.self_attn\.bogus\.weight"),
-    ("drop_expert", r"missing tensor model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"),
+    ("drop", r"1 missing tensors: model\.layers\.1\.self_attn\.kv_b_proj\.weight"),
+    ("reshape", r"model\.layers\.1\.self_attn\.kv_b_proj\.weight \(model\.safetensors\) has shape"),
+    ("extra", r"1 unexpected tensors: model\.layers\.0\.self_attn\.bogus\.weight \(model\.safetensors\)"),
+    ("drop_expert", r"1 missing tensors: model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"),
 ])
 def test_bad_tensors_are_named(glm_dir, tmp_path, edit, pattern):
     shutil.copytree(glm_dir, tmp_path / "m")

@@ -19,11 +19,35 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2")
+# Model types that are another name for an architecture we implement.
+ALIASES = {"kimi_k2": "deepseek_v3"}
+# quantization_config keys we understand, and what each means for loading (see QuantConfig).
+QUANT_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "scale_fmt",
+              "modules_to_not_convert"}
 
 
 class ModelConfigError(ValueError):
     """A checkpoint's config is unusable; the message names the field."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """FP8 block-quantized weights (DeepSeek-V3's release format), dequantized at load time.
+
+    Accepted keys of ``quantization_config`` and why loading may ignore some of them:
+    ``quant_method: fp8`` and ``fmt: e4m3`` (weights are ``float8_e4m3fn``);
+    ``activation_scheme: dynamic`` (activations would be quantized per call at run time; we
+    compute in the dequantized dtype, so no activation scales exist to read — ``static`` would
+    ship them and is refused); ``weight_block_size: [b0, b1]`` (one float32 ``scale_inv`` per
+    b0×b1 block); ``scale_fmt`` (``ue8m0`` in DeepSeek-V3.1/V3.2: the stored float32 scales are
+    powers of two; the multiply is the same, so any value stored as a float is read as is);
+    ``modules_to_not_convert`` (which weights stay unquantized — we find that from the files:
+    a weight is FP8 exactly when its dtype is float8_e4m3fn and it has a ``_scale_inv`` partner).
+    """
+
+    weight_block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +100,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    quant: QuantConfig | None = None  # FP8 block weights (config.json's quantization_config)
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -126,7 +151,8 @@ class ModelConfig:
         return self.indexer_layer_ids.index(layer)
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """What must agree between a prefill and a decode group (weights' storage format aside)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "quant"}
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -136,6 +162,9 @@ class ModelConfig:
             raise ModelConfigError(
                 f"config.json: model_type {model_type!r} is not supported; expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        model_type = ALIASES.get(model_type, model_type)
+        _check_implemented(raw)
+        quant = _quant_config(raw.get("quantization_config"))
 
         def req(name: str) -> Any:
             if raw.get(name) is None:
@@ -217,6 +246,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            quant=quant,
         )
 
     @classmethod
@@ -236,6 +266,50 @@ class ModelConfig:
         from engine.model.tiny import resolve_model_dir
 
         return cls.from_dir(resolve_model_dir(model))
+
+
+# config value → the values this code implements (None in the file means the default, which is
+# what transformers' DeepSeek-V3 family runs).
+_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "scoring_func": ("sigmoid",),  # Router: sigmoid scores + e_score_correction_bias
+    "topk_method": ("noaux_tc",),  # grouped top-k on bias-corrected scores (DeepSeek-V3)
+    "moe_layer_freq": (1,),  # every layer past first_k_dense_replace is MoE
+}
+
+
+def _check_implemented(raw: dict[str, Any]) -> None:
+    for name, ok in _IMPLEMENTED.items():
+        v = raw.get(name)
+        if v is not None and v not in ok:
+            raise ModelConfigError(f"config.json: {name} {v!r} is not implemented "
+                                   f"(supported: {', '.join(repr(x) for x in ok)})")
+
+
+def _quant_config(q: Any) -> QuantConfig | None:
+    """Check ``quantization_config`` before any tensor is read (see QuantConfig)."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ModelConfigError("config.json: quantization_config must be an object")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ModelConfigError(f"config.json: quantization_config.quant_method {method!r} is not supported "
+                               "(only 'fp8' block weights)")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ModelConfigError(f"config.json: quantization_config.fmt {q.get('fmt')!r} is not supported (only 'e4m3')")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ModelConfigError(f"config.json: quantization_config.activation_scheme {q.get('activation_scheme')!r} "
+                               "is not supported (only 'dynamic')")
+    unknown = sorted(set(q) - QUANT_KEYS)
+    if unknown:
+        raise ModelConfigError(f"config.json: quantization_config has keys this loader does not know: "
+                               f"{', '.join(unknown)}")
+    block = q.get("weight_block_size") or [128, 128]
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ModelConfigError(f"config.json: quantization_config.weight_block_size must be two positive "
+                               f"integers, got {block!r}")
+    return QuantConfig(weight_block_size=(block[0], block[1]), scale_fmt=q.get("scale_fmt"))
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

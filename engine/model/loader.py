@@ -1,16 +1,42 @@
 """Load a checkpoint (config.json + safetensors, single file or sharded) into :class:`CausalLM`.
 
+Two passes, so a checkpoint that cannot load is refused before any tensor data is read:
+
+1. **Check** (:func:`inspect_checkpoint`): config.json, the shard index and every shard's
+   safetensors header (the 8-byte length and the JSON header only — read with plain file
+   reads, never the data region). Every name, dtype and shape is checked against the model;
+   the error lists the missing, unexpected and mis-shaped tensors (first few and a count) and
+   the file each came from.
+2. **Stream** (:func:`load_model`): every parameter is allocated once in its compute dtype and
+   filled tensor by tensor from the files; FP8 block weights are dequantized as they are read.
+
 Tensor names are the ones transformers writes. Routed experts may come per expert
 (``mlp.experts.{e}.gate_proj.weight`` …, as DeepSeek and transformers' ``save_pretrained``
-write them) or fused (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``); both are
-stacked into our ``[E, …]`` parameters. A missing, unexpected or mis-shaped tensor is a
-:class:`CheckpointError` that names it.
+write them) or fused (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``); both fill our
+stacked ``[E, …]`` parameters.
+
+FP8 block weights (``quantization_config.quant_method: fp8``, see
+:class:`engine.model.config.QuantConfig`): a ``float8_e4m3fn`` weight ``W`` [out, in] with a
+float32 partner ``<name>_scale_inv`` [ceil(out/b0), ceil(in/b1)] — found in the files (the
+partner may sit in another shard), not from a list of names — is
+``W[i, j] * scale_inv[i // b0, j // b1]``, multiplied in float32 and cast once to the compute
+dtype (never through bf16 when computing in fp32: that changes greedy tokens).
+
+Skipped with one log line that counts them: multi-token-prediction layers (index ≥
+``num_hidden_layers``), indexer weights on GLM "shared" layers (which reuse an earlier layer's
+selection), rotary ``inv_freq`` buffers.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
+import struct
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,28 +45,90 @@ from safetensors import safe_open
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
 
+logger = logging.getLogger("cpserve.loader")
+
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
+# safetensors header dtype → what it means for loading
+_FLOAT = {"F32", "BF16", "F16"}
+_FP8 = "F8_E4M3"
+_KEEP_FP32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
+_SHOW = 5  # names listed per kind of problem
 
 
 class CheckpointError(ValueError):
-    """The checkpoint does not fit the model; the message names the tensor."""
+    """The checkpoint does not fit the model; the message names the tensor(s) and file(s)."""
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in _DTYPES:
-        raise ValueError(f"dtype: {name!r} is not supported; use one of fp32, bf16")
+        raise ValueError(f"dtype: {name!r} is not supported; use one of {', '.join(DTYPE_CHOICES)}")
     return _DTYPES[name]
+
+
+def resolve_dtype(name: str, cfg: ModelConfig) -> str:
+    """``auto`` → the checkpoint's ``torch_dtype``/``dtype`` (bf16 for an FP8 release, whose
+    config says bfloat16); any other name is checked and returned in its short form."""
+    if name == "auto":
+        name = cfg.torch_dtype if cfg.torch_dtype in _DTYPES else "bfloat16"
+    dt = parse_dtype(name)
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dt]
+
+
+# ---- pass 1: headers only ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    dtype: str  # safetensors dtype string (F32, BF16, F8_E4M3, ...)
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        size = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F64": 8, "I64": 8, "I32": 4}.get(self.dtype, 4)
+        return math.prod(self.shape) * size
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """A safetensors file's tensor table from its header alone (no data bytes are read)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"checkpoint: {path.name} is not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", raw)
+            size = path.stat().st_size
+            if n > min(size - 8, 100 << 20):
+                raise CheckpointError(f"checkpoint: {path.name} has a corrupt header (length {n})")
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        raise CheckpointError(f"checkpoint: cannot read {path}: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint: {path.name} has a corrupt header ({e})") from None
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            out[name] = TensorInfo(name, path, str(meta["dtype"]), tuple(int(d) for d in meta["shape"]))
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"checkpoint: {path.name}: header entry {name!r} is malformed") from None
+    return out
 
 
 def _shard_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"checkpoint: {index.name} is not valid JSON ({e})") from None
         files = sorted({path / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
@@ -55,45 +143,184 @@ def _shard_files(path: Path) -> list[Path]:
     return files
 
 
-def _ignored(name: str, cfg: ModelConfig) -> bool:
-    """Tensors we knowingly skip: multi-token-prediction layers past the last layer, rotary buffers."""
-    m = re.match(r"^model\.layers\.(\d+)\.", name)
-    return bool(m and int(m.group(1)) >= cfg.num_layers) or name.endswith("rotary_emb.inv_freq")
+def _skipped(name: str, cfg: ModelConfig) -> str | None:
+    """Why a tensor the checkpoint ships is not used for inference (None: it is used)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return "rotary buffer"
+    m = _LAYER.match(name)
+    if m:
+        layer = int(m.group(1))
+        if layer >= cfg.num_layers:
+            return "multi-token-prediction layer"
+        if ".self_attn.indexer." in name and cfg.indexer_types[layer] != "full":
+            return "indexer of a layer that reuses an earlier layer's index"
+    return None
 
 
-def read_state_dict(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """All tensors, with per-expert weights stacked into our parameter names."""
-    tensors: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+@dataclass(frozen=True)
+class Source:
+    """Where one parameter (or one expert's slice of it) comes from."""
+
+    tensor: TensorInfo
+    scale: TensorInfo | None = None  # FP8 block scale (``weight_scale_inv``)
+    expert: int | None = None  # slot in a stacked [E, ...] parameter
+    chunk: int | None = None  # fused gate_up_proj: 0 = gate half, 1 = up half
+
+
+@dataclass
+class CheckpointPlan:
+    """The checked map from our parameters to checkpoint tensors (pass 1's result)."""
+
+    path: Path
+    sources: dict[str, list[Source]] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    num_fp8: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.tensor.nbytes + (s.scale.nbytes if s.scale else 0) for v in self.sources.values() for s in v)
+
+
+def _report(problems: dict[str, list[str]], path: Path) -> None:
+    parts = []
+    for kind, items in problems.items():
+        if items:
+            more = f" (and {len(items) - _SHOW} more)" if len(items) > _SHOW else ""
+            parts.append(f"{len(items)} {kind}: " + "; ".join(items[:_SHOW]) + more)
+    if parts:
+        raise CheckpointError(f"checkpoint {path}: " + " | ".join(parts))
+
+
+def inspect_checkpoint(path: Path, cfg: ModelConfig, expected: dict[str, tuple[int, ...]]) -> CheckpointPlan:
+    """Pass 1: check every header against ``expected`` (our parameter name → shape)."""
+    tensors: dict[str, TensorInfo] = {}
     for f in _shard_files(path):
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                if _ignored(name, cfg):
-                    continue
-                t = fh.get_tensor(name)
-                m = _EXPERT.match(name)
-                fused = _FUSED.match(name)
-                if m:
-                    experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
-                elif fused and fused.group(2) == "gate_up_proj":
-                    gate, up = t.chunk(2, dim=1)
-                    tensors[f"{fused.group(1)}.gate_proj"] = gate
-                    tensors[f"{fused.group(1)}.up_proj"] = up
-                else:
-                    tensors[name] = t
-    for (prefix, proj), per in experts.items():
-        n = cfg.n_routed_experts
-        missing = [e for e in range(n) if e not in per]
-        if missing:
-            raise CheckpointError(f"checkpoint: missing tensor {prefix}.{missing[0]}.{proj}.weight")
-        extra = [e for e in per if e >= n]
-        if extra:
-            raise CheckpointError(f"checkpoint: unexpected tensor {prefix}.{extra[0]}.{proj}.weight")
-        shapes = {tuple(t.shape) for t in per.values()}
-        if len(shapes) != 1:
-            raise CheckpointError(f"checkpoint: experts of {prefix}.*.{proj}.weight have different shapes {shapes}")
-        tensors[f"{prefix}.{proj}"] = torch.stack([per[e] for e in range(n)])
-    return tensors
+        for name, info in read_header(f).items():
+            if name in tensors:
+                raise CheckpointError(f"checkpoint: tensor {name} is in both {tensors[name].file.name} and {f.name}")
+            tensors[name] = info
+    plan = CheckpointPlan(path)
+    problems: dict[str, list[str]] = {"missing tensors": [], "unexpected tensors": [], "mis-shaped tensors": [],
+                                      "tensors of an unsupported dtype": []}
+    quant = cfg.quant
+    scales = {n for n in tensors if n.endswith("_scale_inv")}
+    used_scales: set[str] = set()
+
+    def where(t: TensorInfo) -> str:
+        return f"{t.name} ({t.file.name})"
+
+    def source_of(info: TensorInfo, **kw) -> Source | None:
+        scale = tensors.get(info.name + "_scale_inv")
+        if info.dtype == _FP8:
+            if quant is None:
+                problems["tensors of an unsupported dtype"].append(
+                    f"{where(info)} is float8_e4m3fn but config.json has no fp8 quantization_config")
+                return None
+            if scale is None:
+                problems["missing tensors"].append(f"{info.name}_scale_inv (scale of the fp8 weight {where(info)})")
+                return None
+            used_scales.add(scale.name)
+            b0, b1 = quant.weight_block_size
+            grid = (math.ceil(info.shape[0] / b0), math.ceil(info.shape[1] / b1)) if len(info.shape) == 2 else None
+            if grid is None or scale.shape != grid or scale.dtype not in _FLOAT:
+                problems["mis-shaped tensors"].append(
+                    f"{where(scale)} has shape {list(scale.shape)} ({scale.dtype}), expected {list(grid or ())} "
+                    f"float scales for {list(info.shape)} in {b0}x{b1} blocks")
+                return None
+            plan.num_fp8 += 1
+            return Source(info, scale, **kw)
+        if info.dtype not in _FLOAT:
+            problems["tensors of an unsupported dtype"].append(f"{where(info)} is {info.dtype}")
+            return None
+        if scale is not None:
+            problems["unexpected tensors"].append(f"{where(scale)} (a scale for the non-fp8 {info.name})")
+        return Source(info, **kw)
+
+    for name, info in tensors.items():
+        if name in scales:
+            continue
+        why = _skipped(name, cfg)
+        if why is not None:
+            plan.skipped[why] = plan.skipped.get(why, 0) + 1
+            continue
+        m, fused = _EXPERT.match(name), _FUSED.match(name)
+        if m:
+            target, shape = f"{m.group(1)}.{m.group(3)}", info.shape
+            kw = {"expert": int(m.group(2))}
+            exp = expected.get(target)
+            if exp is not None and not 0 <= kw["expert"] < exp[0]:
+                problems["unexpected tensors"].append(where(info))
+                continue
+            exp = exp[1:] if exp is not None else None
+        elif fused:
+            exp_full = expected.get(f"{fused.group(1)}.gate_proj" if fused.group(2) == "gate_up_proj"
+                                    else f"{fused.group(1)}.down_proj")
+            if fused.group(2) == "gate_up_proj":
+                targets = [(f"{fused.group(1)}.gate_proj", 0), (f"{fused.group(1)}.up_proj", 1)]
+                exp = None if exp_full is None else (exp_full[0], 2 * exp_full[1], exp_full[2])
+            else:
+                targets, exp = [(f"{fused.group(1)}.down_proj", None)], exp_full
+            if exp is None:
+                problems["unexpected tensors"].append(where(info))
+                continue
+            if info.shape != exp:
+                problems["mis-shaped tensors"].append(f"{where(info)} has shape {list(info.shape)}, expected {list(exp)}")
+                continue
+            for target, chunk in targets:
+                src = source_of(info, chunk=chunk)
+                if src is not None:
+                    plan.sources.setdefault(target, []).append(src)
+            continue
+        else:
+            target, kw = name, {}
+            exp = expected.get(name)
+        if exp is None:
+            problems["unexpected tensors"].append(where(info))
+            continue
+        if info.shape != tuple(exp):
+            problems["mis-shaped tensors"].append(f"{where(info)} has shape {list(info.shape)}, expected {list(exp)}")
+            continue
+        src = source_of(info, **kw)
+        if src is not None:
+            plan.sources.setdefault(target, []).append(src)
+
+    for s in sorted(scales - used_scales):
+        base = s[: -len("_scale_inv")]
+        if base in tensors and (_skipped(base, cfg) is not None):
+            plan.skipped[_skipped(base, cfg)] = plan.skipped.get(_skipped(base, cfg), 0) + 1
+        elif base not in tensors:
+            problems["unexpected tensors"].append(f"{where(tensors[s])} (no weight {base})")
+    if cfg.tie_word_embeddings and "lm_head.weight" not in plan.sources and "model.embed_tokens.weight" in plan.sources:
+        plan.sources["lm_head.weight"] = plan.sources["model.embed_tokens.weight"]
+    for name, shape in expected.items():
+        got = plan.sources.get(name, [])
+        if len(shape) == 3 and name.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")) and got \
+                and got[0].expert is not None:
+            have = {s.expert for s in got}
+            prefix, proj = name.rsplit(".", 1)
+            problems["missing tensors"] += [f"{prefix}.{e}.{proj}.weight" for e in range(shape[0]) if e not in have]
+        elif not got:
+            problems["missing tensors"].append(name)
+    _report(problems, path)
+    return plan
+
+
+# ---- pass 2: stream the data -------------------------------------------------------------------
+def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``w[i, j] * scale_inv[i // b0, j // b1]`` in float32 (edge blocks partial in both dims)."""
+    b0, b1 = block
+    out, inp = w.shape
+    s = scale_inv.float().repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inp]
+    return w.float() * s
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover — tqdm is a dependency
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
+                disable=None, leave=False, mininterval=0.5)
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str = "cpu") -> CausalLM:
@@ -101,28 +328,44 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str
 
     path = Path(resolve_model_dir(model))
     cfg = ModelConfig.from_dir(path)
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = parse_dtype(resolve_dtype(dtype, cfg) if isinstance(dtype, str) else dtype)
     with torch.device("meta"):
         lm = CausalLM(cfg)
-    expected = {k: v for k, v in lm.state_dict().items()}
-    tensors = read_state_dict(path, cfg)
-    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    for name in expected:
-        if name not in tensors:
-            raise CheckpointError(f"checkpoint: missing tensor {name}")
-    for name, t in tensors.items():
-        if name not in expected:
-            raise CheckpointError(f"checkpoint: unexpected tensor {name}")
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise CheckpointError(
-                f"checkpoint: tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}"
-            )
-    keep_fp32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
-    # Fresh, aligned copies (not views of the mmapped file): BLAS results can depend on alignment,
-    # and every rank must compute bit-for-bit what the reference computes.
-    state = {n: t.to(device=device, dtype=torch.float32 if n.endswith(keep_fp32) else torch_dtype, copy=True)
-             for n, t in tensors.items()}
+    meta = lm.state_dict()
+    plan = inspect_checkpoint(path, cfg, {n: tuple(t.shape) for n, t in meta.items()})
+    if plan.skipped:
+        logger.info("checkpoint %s: skipped %s", path,
+                    ", ".join(f"{n} tensor(s) of {why}" for why, n in sorted(plan.skipped.items())))
+    state: dict[str, torch.Tensor] = {}
+    bar = _progress(plan.nbytes, f"loading {path.name}")
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def read(info: TensorInfo) -> torch.Tensor:
+            fh = handles.get(info.file)
+            if fh is None:
+                fh = handles[info.file] = stack.enter_context(safe_open(str(info.file), framework="pt"))
+            t = fh.get_tensor(info.name)
+            if bar is not None:
+                bar.update(info.nbytes)
+            return t
+
+        for name, sources in plan.sources.items():
+            dt = torch.float32 if name.endswith(_KEEP_FP32) else torch_dtype
+            # Fresh, aligned memory (not views of the mmapped file): BLAS results can depend on
+            # alignment, and every rank must compute bit-for-bit what the reference computes.
+            dst = torch.empty(meta[name].shape, dtype=dt, device=device)
+            for src in sources:
+                t = read(src.tensor)
+                if src.scale is not None:
+                    t = dequantize_fp8_blocks(t, read(src.scale), cfg.quant.weight_block_size)
+                if src.chunk is not None:
+                    t = t.chunk(2, dim=1)[src.chunk]
+                (dst if src.expert is None else dst[src.expert]).copy_(t)
+                del t
+            state[name] = dst
+    if bar is not None:
+        bar.close()
     lm.load_state_dict(state, strict=True, assign=True)
     lm.rotary = type(lm.rotary)(cfg, device)
     lm.eval()

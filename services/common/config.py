@@ -28,7 +28,7 @@ class _ServiceConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str = "tiny"
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: the checkpoint's torch_dtype
     page_size: int = Field(16, ge=1)
     max_cache_tokens: int = Field(1 << 16, ge=1)
     threads_per_rank: int = Field(1, ge=1)

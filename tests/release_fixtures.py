@@ -1,0 +1,153 @@
+"""Checkpoints in the formats real releases use, written with transformers' own model classes.
+
+- ``fp8_release``: DeepSeek-V3's FP8 block format — every 2-D projection weight as
+  ``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per 128×128 block, sharded with an
+  index, some weights in a different shard than their scale, plus a multi-token-prediction
+  layer at index ``num_hidden_layers``.
+- ``bf16_glm_release``: a bf16 ``glm_moe_dsa`` whose "shared" layers still ship indexer weights.
+
+The quantizer and the dequantizer here are the test's own (block loops, independent of the
+loader's code). Ground truth is the transformers model in fp32 on the dequantized weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.hf_models import build_hf
+
+BLOCK = 128
+FP8_MAX = 448.0
+# Not quantized in DeepSeek's releases: embeddings, head, norms, router gate, biases.
+_KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "e_score_correction_bias", "indexer.weights_proj")
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out, inp = w.shape
+    rows, cols = math.ceil(out / BLOCK), math.ceil(inp / BLOCK)
+    q = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
+    s = torch.empty(rows, cols, dtype=torch.float32)
+    for i in range(rows):
+        for j in range(cols):
+            blk = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float()
+            scale = max(float(blk.abs().max()) / FP8_MAX, 1e-12)
+            s[i, j] = scale
+            q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (blk / scale).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def dequantize_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    w = q.float().clone()
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] *= s[i, j]
+    return w
+
+
+def _quantizable(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith(".weight") and not any(k in name for k in _KEEP)
+
+
+def write_shards(path: Path, tensors: dict[str, torch.Tensor], shards: list[list[str]]) -> None:
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in names}, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in names})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+FP8_OVERRIDES = dict(hidden_size=320, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                     q_lora_rank=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=200, moe_intermediate_size=160)
+
+
+def fp8_release(path: Path, model_type: str = "deepseek_v3", seed: int = 0):
+    """An FP8 block-quantized release; returns the fp32 transformers model holding the
+    dequantized weights (the ground truth)."""
+    hf = build_hf("deepseek_v3", path, seed=seed, **FP8_OVERRIDES)
+    raw = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    out, deq = {}, {}
+    for name, t in raw.items():
+        if _quantizable(name, t):
+            q, s = quantize_blocks(t)
+            out[name], out[name + "_scale_inv"] = q, s
+            deq[name] = dequantize_blocks(q, s)
+        else:
+            out[name] = t.to(torch.bfloat16)  # releases ship the rest in bf16
+            deq[name] = out[name].float()
+    # A multi-token-prediction layer past the last layer (as DeepSeek-V3 ships it): a copy of layer 0's
+    # tensors under the next index, plus its own projections.
+    n = FP8_OVERRIDES["num_hidden_layers"]
+    for name in [k for k in out if k.startswith("model.layers.0.")]:
+        out[name.replace("model.layers.0.", f"model.layers.{n}.")] = out[name].clone()
+    h = FP8_OVERRIDES["hidden_size"]
+    q, s = quantize_blocks(0.05 * torch.randn(h, 2 * h))
+    out[f"model.layers.{n}.eh_proj.weight"], out[f"model.layers.{n}.eh_proj.weight_scale_inv"] = q, s
+    out[f"model.layers.{n}.enorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    # Three shards; every kv_a_proj_with_mqa weight sits in another shard than its scale.
+    names = sorted(out)
+    kv_a = [k for k in names if "kv_a_proj_with_mqa.weight" in k and not k.endswith("_scale_inv")]
+    kv_a_scales = [k + "_scale_inv" for k in kv_a]
+    rest = [k for k in names if k not in kv_a and k not in kv_a_scales]
+    write_shards(path, out, [kv_a + rest[::2], kv_a_scales + rest[1::2]])
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(model_type=model_type, dtype="bfloat16", num_nextn_predict_layers=1, scoring_func="sigmoid",
+               topk_method="noaux_tc",
+               quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"})
+    cfg.pop("torch_dtype", None)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    _assign(hf, deq)
+    return hf.float().eval()
+
+
+def _assign(hf, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy on-disk tensors (per-expert names) into transformers' in-memory model (fused experts)."""
+    import re
+
+    state = hf.state_dict()
+    expert = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            m = expert.match(name)
+            if name in state:
+                state[name].copy_(t.float())
+            elif m:
+                e = int(m.group(2))
+                if m.group(3) == "down_proj":
+                    state[f"{m.group(1)}.down_proj"][e].copy_(t.float())
+                else:
+                    fused = state[f"{m.group(1)}.gate_up_proj"][e]
+                    half = fused.shape[0] // 2
+                    (fused[:half] if m.group(3) == "gate_proj" else fused[half:]).copy_(t.float())
+            elif not name.startswith("model.layers.") or int(name.split(".")[2]) < hf.config.num_hidden_layers:
+                if ".indexer." not in name:
+                    raise AssertionError(f"fixture: {name} has no in-memory counterpart")
+
+
+def bf16_glm_release(path: Path, seed: int = 0):
+    """A bf16 glm_moe_dsa whose 'shared' layers still ship indexer weights; returns the fp32
+    transformers model on the bf16-rounded weights."""
+    hf = build_hf("glm_moe_dsa", path, seed=seed)
+    raw = load_file(str(path / "model.safetensors"))
+    out = {k: v.to(torch.bfloat16) for k, v in raw.items()}
+    cfg = json.loads((path / "config.json").read_text())
+    pattern = cfg.get("indexer_types") or ["full" if c == "F" else "shared" for c in cfg["index_topk_pattern"]]
+    full = pattern.index("full")
+    for layer, kind in enumerate(pattern):
+        if kind == "shared":
+            for k in [k for k in out if k.startswith(f"model.layers.{full}.self_attn.indexer.")]:
+                out[k.replace(f"model.layers.{full}.", f"model.layers.{layer}.")] = out[k].clone()
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg.update(dtype="bfloat16")
+    cfg.pop("torch_dtype", None)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    _assign(hf, out)
+    return hf.float().eval()

@@ -1,0 +1,187 @@
+"""Checkpoints as releases publish them: FP8 block weights, shards, MTP layers, kimi_k2, bf16 GLM."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.model.config import ModelConfig, ModelConfigError
+from engine.model.loader import CheckpointError, load_model, read_header, resolve_dtype
+from engine.model.sampler import SamplingParams
+from engine.reference import ReferenceEngine
+from tests.release_fixtures import bf16_glm_release, fp8_release
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def prompt(n, seed=0, vocab=300):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fp8") / "release"
+    return path, fp8_release(path)
+
+
+def test_fp8_fixture_is_in_release_format(fp8):
+    path, _ = fp8
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    assert index[name] != index[name + "_scale_inv"]  # weight and scale in different shards
+    headers = {}
+    for f in set(index.values()):
+        headers.update(read_header(path / f))
+    assert headers[name].dtype == "F8_E4M3" and headers[name].shape == (576, 320)
+    assert headers[name + "_scale_inv"].shape == (5, 3)  # partial blocks in both dimensions
+    assert any(k.startswith("model.layers.3.") for k in headers)  # the MTP layer
+
+
+def test_fp8_release_matches_transformers_on_dequantized_weights(fp8, caplog):
+    path, hf = fp8
+    with caplog.at_level(logging.INFO, logger="cpserve.loader"):
+        eng = ReferenceEngine(str(path), dtype="fp32", record_logits=True)
+    assert "multi-token-prediction layer" in caplog.text
+    for n, seed in ((9, 1), (40, 2)):
+        p = prompt(n, seed)
+        out = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=2,
+                          output_logits=True, return_dict_in_generate=True)
+        seq = eng.generate([p], SamplingParams(max_new_tokens=12, stop_token_ids=()))[0]
+        assert seq.output_ids == out.sequences[0, n:].tolist()
+        for ours, theirs in zip(seq.logits, out.logits):
+            assert rel_err(ours, theirs[0]) < 1e-4
+
+
+def test_fp8_auto_dtype_is_bf16_and_serves(fp8):
+    path, hf = fp8
+    assert resolve_dtype("auto", ModelConfig.from_dir(path)) == "bf16"
+    eng = ReferenceEngine(str(path), record_logits=True)
+    assert eng.dtype == "bf16"
+    assert eng.lm.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.dtype == torch.bfloat16
+    p = prompt(20, 3)
+    seq = eng.generate([p], SamplingParams(max_new_tokens=4, stop_token_ids=()))[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([p])).logits[0, -1]
+    assert len(seq.output_ids) == 4 and rel_err(seq.logits[0], ref) < 0.1
+
+
+def test_kimi_k2_is_deepseek_v3(fp8, tmp_path):
+    path, hf = fp8
+    shutil.copytree(path, tmp_path / "k")
+    cfg = json.loads((tmp_path / "k" / "config.json").read_text())
+    cfg["model_type"] = "kimi_k2"
+    (tmp_path / "k" / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.from_dir(tmp_path / "k").model_type == "deepseek_v3"
+    p = prompt(16, 4)
+    seq = ReferenceEngine(str(tmp_path / "k"), dtype="fp32").generate(
+        [p], SamplingParams(max_new_tokens=6, stop_token_ids=()))[0]
+    out = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=2)
+    assert seq.output_ids == out[0, 16:].tolist()
+
+
+def test_bf16_glm_with_index_sharing(tmp_path, caplog):
+    hf = bf16_glm_release(tmp_path / "g")
+    with caplog.at_level(logging.INFO, logger="cpserve.loader"):
+        eng = ReferenceEngine(str(tmp_path / "g"), dtype="fp32", record_logits=True)
+    assert "reuses an earlier layer's index" in caplog.text
+    p = prompt(70, 5)  # past index_topk (16): the selection really selects
+    seq = eng.generate([p], SamplingParams(max_new_tokens=8, stop_token_ids=()))[0]
+    out = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=2)
+    assert seq.output_ids == out[0, 70:].tolist()
+    assert resolve_dtype("auto", eng.cfg) == "bf16"
+
+
+# ---- refusals, before any tensor data is read ---------------------------------------------------
+def _edit_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("changes,pattern", [
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, r"quant_method 'awq' is not supported"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, r"fmt 'e5m2'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "packing": 1}},
+     r"does not know: packing"),
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}, r"activation_scheme 'static'"),
+    ({"scoring_func": "softmax"}, r"scoring_func 'softmax' is not implemented"),
+    ({"topk_method": "greedy"}, r"topk_method 'greedy' is not implemented"),
+    ({"model_type": "qwen3"}, r"model_type 'qwen3' is not supported"),
+])
+def test_unsupported_config_is_refused_naming_it(fp8, tmp_path, monkeypatch, changes, pattern):
+    path = _edit_config(fp8[0], tmp_path / "c", **changes)
+    monkeypatch.setattr("engine.model.loader.safe_open", _no_data_reads)
+    with pytest.raises(ModelConfigError, match=pattern):
+        load_model(path)
+
+
+def _no_data_reads(*a, **k):
+    raise AssertionError("tensor data was opened before the checkpoint was checked")
+
+
+def test_fp8_weight_without_scale_is_refused(fp8, tmp_path, monkeypatch):
+    path = tmp_path / "noscale"
+    shutil.copytree(fp8[0], path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.self_attn.q_b_proj.weight_scale_inv"
+    from safetensors.torch import load_file
+
+    f = path / index["weight_map"].pop(name)
+    t = load_file(str(f))
+    del t[name]
+    save_file(t, str(f))
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    monkeypatch.setattr("engine.model.loader.safe_open", _no_data_reads)
+    with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.1\.self_attn\.q_b_proj\.weight_scale_inv"):
+        load_model(path)
+
+
+def test_bad_header_of_a_multi_gb_checkpoint_is_refused_without_reading_data(fp8, tmp_path, monkeypatch):
+    """One mis-shaped entry in a 4 GiB (sparse) shard: refused from the headers alone."""
+    path = tmp_path / "big"
+    shutil.copytree(fp8[0], path, ignore=shutil.ignore_patterns("*.safetensors", "*.json"))
+    shutil.copy(fp8[0] / "config.json", path / "config.json")
+    index = json.loads((fp8[0] / "model.safetensors.index.json").read_text())
+    headers = {}
+    for f in sorted(set(index["weight_map"].values())):
+        headers.update(read_header(fp8[0] / f))
+    entries, offset = {}, 0
+    for name, info in sorted(headers.items()):
+        shape = list(info.shape)
+        if name == "model.layers.2.self_attn.o_proj.weight":
+            shape = [shape[0], shape[1] + 1]
+        n = info.nbytes
+        entries[name] = {"dtype": info.dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    big = 4 << 30
+    header = json.dumps(entries).encode()
+    shard = path / "model-00001-of-00001.safetensors"
+    with open(shard, "wb") as fh:
+        fh.write(struct.pack("<Q", len(header)) + header)
+    os.truncate(shard, 8 + len(header) + big)  # a sparse data region of 4 GiB
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: shard.name for n in entries}}))
+    monkeypatch.setattr("engine.model.loader.safe_open", _no_data_reads)
+    with open("/proc/self/io") as f:
+        before = int(next(l for l in f if l.startswith("rchar")).split()[1])
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.o_proj\.weight \(model-00001-of-00001"
+                                              r"\.safetensors\) has shape \[320, 129\]"):
+        load_model(path)
+    with open("/proc/self/io") as f:
+        after = int(next(l for l in f if l.startswith("rchar")).split()[1])
+    assert after - before < 4 << 20  # headers and config only, not the 4 GiB data region
