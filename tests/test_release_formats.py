@@ -185,3 +185,18 @@ def test_bad_header_of_a_multi_gb_checkpoint_is_refused_without_reading_data(fp8
     with open("/proc/self/io") as f:
         after = int(next(l for l in f if l.startswith("rchar")).split()[1])
     assert after - before < 4 << 20  # headers and config only, not the 4 GiB data region
+
+
+def test_dtype_flag_on_every_command():
+    from cpserve.cli import build_parser
+    from services.common.config import ConfigError, load_config
+
+    parser = build_parser()
+    for argv in (["reference", "--dtype", "auto", "--prompt", "x"], ["prefill", "--dtype", "fp16", "--prompt", "x"],
+                 ["decode", "--dtype", "bf16", "--prompt", "x"], ["up", "--dtype", "bf16"],
+                 ["generate", "--dtype", "fp32", "--prompt", "x"],
+                 ["serve", "prefill", "--dtype", "fp16"], ["serve", "decode", "--dtype", "auto"]):
+        assert parser.parse_args(argv).dtype == argv[argv.index("--dtype") + 1]
+    assert load_config("decode").dtype == "auto"
+    with pytest.raises(ConfigError, match=r"prefill\.dtype"):
+        load_config("prefill", None, {"dtype": "fp8"})
