@@ -20,12 +20,13 @@ import time
 
 from engine.model.tokenizer import load_tokenizer
 
-START_TIMEOUT_S = 180
+START_TIMEOUT_S = 600  # a real model's load; `--start-timeout-s` overrides
 _SERVING = re.compile(r"serving (\w+) on (\S+)")
 
 
 class Child:
-    """One service process; its output is echoed with a prefix once it is up.
+    """One service process; its output (start-up included) is echoed with a ``[kind]`` prefix
+    unless ``quiet``.
 
     It is up when it prints ``serving <kind> on <address>``. ``command`` replaces the default
     ``cpserve serve <kind> <argv>`` (e.g. a benchmark's own server mode).
@@ -51,7 +52,7 @@ class Child:
             if m and m.group(1) == self.kind and self.address is None:
                 self.address, self.ready_at = m.group(2), time.perf_counter()
                 self._ready.set()
-            elif not self.quiet and self._ready.is_set():
+            elif not self.quiet:
                 sys.stderr.write(f"[{self.kind}] {line}")
         self._ready.set()
 
@@ -99,8 +100,16 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-dcp", type=int, default=None, help="decode context-parallel ranks (default 2)")
     p.add_argument("--indexer", choices=["copied", "split"], default=None)
     p.add_argument("--dcp-comm", choices=["a2a", "ag_rs"], default=None)
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S,
+                   help=f"how long each service may take to load and start (default {START_TIMEOUT_S} s)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--api-key", default=None)
+
+
+def served_name(args: argparse.Namespace) -> str:
+    """The model name the router serves (what requests must send as ``model``)."""
+    return args.served_model_name or args.model or "tiny"
 
 
 def _flags(pairs: list[tuple[str, object]]) -> list[str]:
@@ -127,12 +136,14 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
         decode = Child("decode", common + engine_common + ["--port", "0"] + _flags([
             ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm)]), quiet)
         children.append(decode)
-        p_addr, d_addr = prefill.wait_ready(), decode.wait_ready()
+        timeout = args.start_timeout_s
+        p_addr, d_addr = prefill.wait_ready(timeout), decode.wait_ready(timeout)
         router = Child("router", common + _flags([("--port", port), ("--grpc-port", grpc_port),
-                                                  ("--api-key", args.api_key)])
+                                                  ("--api-key", args.api_key),
+                                                  ("--served-model-name", args.served_model_name)])
                        + ["--prefill", p_addr, "--decode", d_addr], quiet)
         children.append(router)
-        router.wait_ready()
+        router.wait_ready(timeout)
         return children
     except BaseException:
         stop_cluster(children)
@@ -200,7 +211,7 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
         if args.demo:
             # One request through the whole path (router → prefill group → KV transfer → decode
             # group) before serving: proof that the cluster works, with its timings.
-            body = {"model": args.model or "tiny", "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}
+            body = {"model": served_name(args), "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}
             try:
                 ids, ttft, tpot = stream_completion(http, body, args.api_key)
             except RuntimeError as e:
@@ -209,7 +220,7 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
             print(f"  demo    : {DEMO_PROMPT!r} -> {load_tokenizer(args.model or 'tiny').decode(ids)!r}")
             print(f"            {len(ids)} tokens, TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms/token, ids {ids}")
         print(f"  try     : curl http://{http}/v1/completions -H 'Content-Type: application/json' "
-              "-d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 8}'")
+              f"-d '{{\"model\": \"{served_name(args)}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'")
         print("Ctrl-C stops every service.", flush=True)
         while not stop.wait(1.0):
             dead = [c for c in children if c.proc.poll() is not None]
@@ -226,7 +237,7 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
 def run_generate(args: argparse.Namespace, parser=None) -> int:
     from cpserve.cli import print_generation
 
-    body = {"model": args.model or "tiny", "max_tokens": args.max_new_tokens, "temperature": args.temperature,
+    body = {"model": served_name(args), "max_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "ignore_eos": args.ignore_eos}
     if args.top_k:
         body["top_k"] = args.top_k

@@ -230,7 +230,8 @@ def test_cpserve_up_sends_a_demo_request_then_serves_until_interrupted(tmp_path)
     from services.up import DEMO_PROMPT
 
     cpserve = Path(sys.executable).with_name("cpserve")
-    proc = subprocess.Popen([str(cpserve), "up", "--port", "0"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([str(cpserve), "up", "--port", "0", "--served-model-name", "tiny-served",
+                             "--dtype", "auto"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     try:
@@ -244,14 +245,19 @@ def test_cpserve_up_sends_a_demo_request_then_serves_until_interrupted(tmp_path)
                 break
         out = "\n".join(lines)
         assert lines and lines[-1].startswith("Ctrl-C stops"), out
+        assert '"model": "tiny-served"' in out, out  # the demo (which succeeded) and the hint use the served name
         router = re.search(r"router  : http://(\S+)/v1", out).group(1)
         assert httpx.get(f"http://{router}/health", trust_env=False, timeout=10).status_code == 200
-        demo = re.search(r"demo    : '.*' -> (.*)\n\s+(\d+) tokens, TTFT ([\d.]+) ms", out)
-        assert demo, out
+        # (the services' own start-up lines, prefixed "[prefill] " etc., may interleave)
+        assert re.search(r"^\[(prefill|decode)\] ", out, re.M), out
+        text = re.search(r"demo    : '.*' -> (.*)$", out, re.M)
+        counts = re.search(r"^\s+(\d+) tokens, TTFT ([\d.]+) ms", out, re.M)
+        assert text and counts, out
+        demo = (None, text.group(1), counts.group(1), counts.group(2))
         ref = ReferenceEngine("tiny")
         expected = ref.generate([ref.tokenizer.encode(DEMO_PROMPT)], SamplingParams(max_new_tokens=16))[0].output_ids
-        assert demo.group(1) == repr(load_tokenizer("tiny").decode(expected))
-        assert int(demo.group(2)) == len(expected) and float(demo.group(3)) > 0
+        assert demo[1] == repr(load_tokenizer("tiny").decode(expected))
+        assert int(demo[2]) == len(expected) and float(demo[3]) > 0
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "stopped." in rest, rest

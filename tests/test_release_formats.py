@@ -200,3 +200,30 @@ def test_dtype_flag_on_every_command():
     assert load_config("decode").dtype == "auto"
     with pytest.raises(ConfigError, match=r"prefill\.dtype"):
         load_config("prefill", None, {"dtype": "fp8"})
+
+
+def test_generation_config_eos_list_and_sampling_defaults(tmp_path):
+    from engine.model.tiny import make_tiny
+    from engine.model.tokenizer import ByteTokenizer
+    from services.router.params import ModelContext, parse_request
+
+    path = make_tiny(tmp_path / "m", "deepseek_v3")
+    p = [5, 6, 7, 8]
+    free = ReferenceEngine(str(path)).generate([p], SamplingParams(max_new_tokens=6, stop_token_ids=()))[0].output_ids
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [free[2], 1], "temperature": 0.6, "top_p": 0.95}))
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.eos_token_ids == (free[2], 1)
+    seq = ReferenceEngine(str(path)).generate([p], SamplingParams(max_new_tokens=6))[0]
+    assert seq.output_ids == free[:3] and seq.finish_reason == "stop"  # stopped at the list's first id
+
+    ctx = ModelContext("m", ByteTokenizer(), cfg.vocab_size, cfg.eos_token_ids, cfg.max_position_embeddings,
+                       lambda: None, sampling_defaults=cfg.sampling_defaults)
+    s = parse_request({"prompt": [5, 6], "max_tokens": 2}, ctx, chat=False).completion.job.sampling
+    assert s.temperature == pytest.approx(0.6) and s.top_p == pytest.approx(0.95) and s.top_k == 0
+    s = parse_request({"prompt": [5, 6], "max_tokens": 2, "temperature": 0}, ctx, chat=False).completion.job.sampling
+    assert s.temperature == 0  # a request's own value wins
+
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [99999]}))
+    with pytest.raises(ModelConfigError, match="generation_config.json: eos_token_id"):
+        ModelConfig.from_dir(path)

@@ -101,6 +101,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     quant: QuantConfig | None = None  # FP8 block weights (config.json's quantization_config)
+    # generation_config.json's temperature / top_p / top_k: defaults for requests that set none
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -152,7 +154,7 @@ class ModelConfig:
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """What must agree between a prefill and a decode group (weights' storage format aside)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "quant"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("quant", "sampling_defaults")}
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -251,14 +253,30 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
-        p = Path(path) / "config.json"
-        if not p.is_file():
-            raise ModelConfigError(f"model: no config.json in {path}")
-        try:
-            raw = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"model: {p} is not valid JSON ({e})") from e
-        return cls.from_dict(raw)
+        """config.json, and generation_config.json when the checkpoint has one: its
+        ``eos_token_id`` (an int or a list) are stop ids before config.json's, and its
+        temperature / top_p / top_k become ``sampling_defaults`` (as vLLM's
+        ``--generation-config auto``)."""
+        cfg = cls.from_dict(_read_json(Path(path) / "config.json", required=True, where=path))
+        gen = _read_json(Path(path) / "generation_config.json", required=False, where=path)
+        if not gen:
+            return cfg
+        eos = gen.get("eos_token_id")
+        eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        if any(not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < cfg.vocab_size for e in eos):
+            raise ModelConfigError(f"generation_config.json: eos_token_id {gen.get('eos_token_id')!r} must be token "
+                                   f"ids in [0, {cfg.vocab_size})")
+        defaults = []
+        for name in ("temperature", "top_p", "top_k"):
+            v = gen.get(name)
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ModelConfigError(f"generation_config.json: {name} must be a number, got {v!r}")
+                defaults.append((name, float(v)))
+        from dataclasses import replace
+
+        return replace(cfg, eos_token_ids=tuple(dict.fromkeys([*eos, *cfg.eos_token_ids])),
+                       sampling_defaults=tuple(defaults))
 
     @classmethod
     def load(cls, model: str | Path) -> "ModelConfig":
@@ -310,6 +328,20 @@ def _quant_config(q: Any) -> QuantConfig | None:
         raise ModelConfigError(f"config.json: quantization_config.weight_block_size must be two positive "
                                f"integers, got {block!r}")
     return QuantConfig(weight_block_size=(block[0], block[1]), scale_fmt=q.get("scale_fmt"))
+
+
+def _read_json(p: Path, required: bool, where) -> dict[str, Any] | None:
+    if not p.is_file():
+        if required:
+            raise ModelConfigError(f"model: no {p.name} in {where}")
+        return None
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"model: {p} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"model: {p} must hold a JSON object")
+    return raw
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -4,7 +4,8 @@ Accepted parameters
 -------------------
 Both endpoints: ``model`` (optional; must be the served model), ``max_tokens`` (default
 ``default_max_tokens``, 16), ``temperature`` (default 1.0, as OpenAI; 0 = greedy), ``top_p``,
-``top_k`` (vLLM extension; -1 or 0 disable), ``seed``, ``stop`` (a string, or a list of strings
+``top_k`` (vLLM extension; -1 or 0 disable) — the three defaults come from the checkpoint's
+generation_config.json where it sets them, ``seed``, ``stop`` (a string, or a list of strings
 and/or token ids), ``stop_token_ids`` and ``ignore_eos`` (vLLM extensions), ``stream``,
 ``stream_options`` (``include_usage``), ``return_token_ids`` (vLLM extension), ``user``
 (accepted and ignored: it never changes the output).
@@ -67,6 +68,7 @@ class ModelContext:
     max_positions: int
     capacity_tokens: Callable[[], int | None]  # smallest decode cache, once known
     default_max_tokens: int = 16
+    sampling_defaults: tuple[tuple[str, float], ...] = ()  # generation_config.json's temperature/top_p/top_k
 
     def token_limit(self) -> tuple[int, str]:
         """(prompt + max_tokens limit, what sets it)."""
@@ -303,13 +305,14 @@ def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
     else:
         prompt_ids = _prompt_ids(body, ctx)
     max_tokens = _max_tokens(body, ctx, chat)
-    temperature = _float(body, "temperature", 1.0)
+    defaults = dict(ctx.sampling_defaults)
+    temperature = _float(body, "temperature", defaults.get("temperature", 1.0))
     if temperature < 0:
         raise invalid("temperature", f"must be >= 0, got {temperature:g}")
-    top_p = _float(body, "top_p", 1.0)
+    top_p = _float(body, "top_p", defaults.get("top_p", 1.0))
     if not 0 < top_p <= 1:
         raise invalid("top_p", f"must be in (0, 1], got {top_p:g}")
-    top_k = _int(body, "top_k", 0, lo=-1)
+    top_k = _int(body, "top_k", int(defaults.get("top_k", 0)), lo=-1)
     seed = _int(body, "seed", None, lo=0, hi=MAX_SEED)
     stop, stop_ids = _stops(body, ctx)
     ignore_eos = _bool(body, "ignore_eos")

@@ -39,7 +39,7 @@ def model_context(config: RouterConfig, cluster: Cluster) -> ModelContext:
     return ModelContext(name=config.model_name, tokenizer=load_tokenizer(config.model),
                         vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids),
                         max_positions=cfg.max_position_embeddings, capacity_tokens=cluster.capacity_tokens,
-                        default_max_tokens=config.default_max_tokens)
+                        default_max_tokens=config.default_max_tokens, sampling_defaults=cfg.sampling_defaults)
 
 
 @dataclass
