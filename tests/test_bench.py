@@ -18,6 +18,7 @@ BENCHES = {  # benchmark → (plot it writes, a key its JSON must have)
     "decode_dcp": ("decode_dcp.png", "runtime_s"),
     "kv_transfer": ("kv_transfer.png", "runtime_s"),
     "serving": ("serving.png", "token_ids_match"),
+    "load": ("load.png", "pass"),
 }
 
 

@@ -257,6 +257,8 @@ def build_parser_plan(subparsers: argparse._SubParsersAction) -> argparse.Argume
         parser.add_argument("--" + flag.replace("_", "-"), type=_non_negative_int,
                             help="raw mode only: model size for the collectives")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, help="with --model (default bf16)")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                        help="with --model: the weights' compute dtype (default auto: the checkpoint's)")
     parser.add_argument("--act-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="activation dtype of the collectives (default fp32)")
     parser.add_argument("--dcp", required=True, type=_positive_int, help="DCP group size C")
@@ -277,11 +279,26 @@ def run_plan(args: argparse.Namespace) -> int:
         act_bytes=bytes_per_value(args.act_dtype), exchange=args.exchange,
         replicate_q_proj=args.replicate_q_proj,
     )
+    weights, dtype = _weight_bytes(args) if args.model is not None else (None, None)
     if args.json:
-        print(json.dumps(plan.to_dict()))
+        out = plan.to_dict()
+        if weights is not None:
+            out["weight_bytes_per_rank"] = weights
+        print(json.dumps(out))
     else:
-        _print_plan(plan)
+        _print_plan(plan, weights, dtype)
     return 0
+
+
+def _weight_bytes(args: argparse.Namespace) -> tuple[int, str]:
+    """What every rank holds of the model today (the whole model, in the compute dtype), and
+    that dtype. Reads config.json only: a plan needs no weights on disk."""
+    from engine.model.config import ModelConfig
+    from engine.model.loader import resolve_dtype, weight_bytes
+
+    cfg = ModelConfig.load(args.model)
+    dtype = resolve_dtype(args.dtype, cfg)
+    return weight_bytes(cfg, dtype), dtype
 
 
 def _raw_sizes(args: argparse.Namespace) -> dict:
@@ -322,7 +339,7 @@ def _model_sizes(args: argparse.Namespace) -> dict:
     )
 
 
-def _print_plan(plan: CapacityPlan) -> None:
+def _print_plan(plan: CapacityPlan, weights: int | None = None, dtype: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -336,6 +353,10 @@ def _print_plan(plan: CapacityPlan) -> None:
     memory.add_row("ceiling (C → ∞)", "none" if plan.ceiling is None else f"{plan.ceiling:.1f}")
     if plan.tokens is not None:
         memory.add_row(f"busiest rank, {plan.tokens:,} tokens", _human(plan.bytes_per_rank))
+    if weights is not None:
+        memory.add_row(f"weights per rank (whole model, {dtype})", _human(weights))
+        if plan.tokens is not None:
+            memory.add_row("weights + cache, busiest rank", _human(weights + plan.bytes_per_rank))
     console = Console()
     console.print(memory)
     if not plan.collectives:

@@ -309,9 +309,12 @@ def inspect_checkpoint(path: Path, cfg: ModelConfig, expected: dict[str, tuple[i
 def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``w[i, j] * scale_inv[i // b0, j // b1]`` in float32 (edge blocks partial in both dims)."""
     b0, b1 = block
-    out, inp = w.shape
-    s = scale_inv.float().repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inp]
-    return w.float() * s
+    inp = w.shape[1]
+    x = w.float()
+    s = scale_inv.float().repeat_interleave(b1, 1)[:, :inp]  # one row of scales per block row
+    for i in range(s.shape[0]):  # in place: one fp32 copy of the weight, not three
+        x[i * b0:(i + 1) * b0].mul_(s[i])
+    return x
 
 
 def _progress(total: int, desc: str):
@@ -321,6 +324,16 @@ def _progress(total: int, desc: str):
         return None
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
                 disable=None, leave=False, mininterval=0.5)
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str = "auto") -> int:
+    """Bytes of the model's tensors once loaded in ``dtype`` (the router gate, its correction bias
+    and the indexer's head weights stay fp32): what every rank process holds today."""
+    torch_dtype = parse_dtype(resolve_dtype(dtype, cfg))
+    with torch.device("meta"):
+        lm = CausalLM(cfg)
+    return sum(t.numel() * (4 if name.endswith(_KEEP_FP32) else torch_dtype.itemsize)
+               for name, t in lm.state_dict().items())
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str = "cpu") -> CausalLM:
@@ -344,7 +357,13 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str
         def read(info: TensorInfo) -> torch.Tensor:
             fh = handles.get(info.file)
             if fh is None:
-                fh = handles[info.file] = stack.enter_context(safe_open(str(info.file), framework="pt"))
+                # pread, not mmap: an mmapped shard's touched pages stay in the process's RSS
+                # until its handle closes (here: the end of the load), so the peak was the
+                # weights plus the whole checkpoint's file-backed pages (2x weights for a bf16
+                # checkpoint loaded as bf16). pread gives each tensor its own buffer, freed
+                # once copied into the parameter (bench/load.py measures the peak).
+                fh = handles[info.file] = stack.enter_context(
+                    safe_open(str(info.file), framework="pt", backend="pread"))
             t = fh.get_tensor(info.name)
             if bar is not None:
                 bar.update(info.nbytes)
