@@ -15,6 +15,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                    help="compute and cache dtype; auto (default) follows the checkpoint's torch_dtype "
                         "(bf16 for an FP8 release, fp32 for the embedded tiny models)")
+    from services.cli import add_tokenizer_args
+
+    add_tokenizer_args(p)
+
+
+def tokenizer_from_args(args: argparse.Namespace):
+    """The tokenizer --model / --tokenizer / --trust-remote-code name (loaded once per command)."""
+    if getattr(args, "_tokenizer", None) is None:
+        from engine.model.tokenizer import load_tokenizer
+
+        args._tokenizer = load_tokenizer(args.model or "tiny", getattr(args, "tokenizer", None),
+                                         bool(getattr(args, "trust_remote_code", False)))
+    return args._tokenizer
 
 
 def add_prompt_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -75,11 +88,11 @@ def cmd_reference(args, parser) -> int:
             raise
         parser.error(f"--{e}")
     load_s = time.perf_counter() - t0
-    ids = prompt_ids_from_args(args, engine.tokenizer, parser)
+    ids = prompt_ids_from_args(args, tokenizer_from_args(args), parser)
     seq = engine.generate([ids], sampling_from_args(args))[0]
     extra = {} if args.json else {"model": str(engine.model_dir), "load": f"{load_s:.2f} s",
                                   "prompt": f"{len(ids)} tokens", "finish": seq.finish_reason}
-    print_generation(args, engine.tokenizer, seq.output_ids, seq.ttft_ms, seq.tpot_ms, extra)
+    print_generation(args, tokenizer_from_args(args), seq.output_ids, seq.ttft_ms, seq.tpot_ms, extra)
     return 0
 
 
@@ -92,7 +105,7 @@ def cmd_prefill(args, parser) -> int:
                          dtype=args.dtype, chunk_size=args.chunk_size, threads_per_rank=args.threads_per_rank,
                          max_cache_tokens=args.max_cache_tokens) as engine:
         start_s = time.perf_counter() - t0
-        ids = prompt_ids_from_args(args, engine.tokenizer, parser)
+        ids = prompt_ids_from_args(args, tokenizer_from_args(args), parser)
         seq = engine.generate([ids], SamplingParams(max_new_tokens=1, stop_token_ids=()))[0]
         cache = engine.group.call("cache_bytes")
         ranks = [{"rank": r, "seconds": round(engine.runner.rank_seconds[r], 4),
@@ -104,7 +117,7 @@ def cmd_prefill(args, parser) -> int:
         return 0
     print(f"prefill of {len(ids)} tokens on CP={args.cp} ({args.strategy}{', layer split' if args.layer_split else ''}); "
           f"group start {start_s:.1f} s")
-    print(f"first token: {seq.output_ids[0]} ({engine.tokenizer.decode(seq.output_ids)!r})   TTFT {seq.ttft_ms:.1f} ms")
+    print(f"first token: {seq.output_ids[0]} ({tokenizer_from_args(args).decode(seq.output_ids)!r})   TTFT {seq.ttft_ms:.1f} ms")
     for r in ranks:
         print(f"  rank {r['rank']}: {r['seconds'] * 1e3:9.1f} ms forward   cache {r['cache_bytes'] / 2**20:8.2f} MiB"
               f"   layers {r['layers'][0]}..{r['layers'][-1]}")
@@ -117,13 +130,13 @@ def cmd_decode(args, parser) -> int:
     with DCPDecodeEngine(args.model, dcp=args.dcp, exchange=args.dcp_comm, indexer=args.indexer,
                          replicate_q_proj=args.replicate_q_proj, dtype=args.dtype,
                          threads_per_rank=args.threads_per_rank, max_cache_tokens=args.max_cache_tokens) as engine:
-        ids = prompt_ids_from_args(args, engine.tokenizer, parser)
+        ids = prompt_ids_from_args(args, tokenizer_from_args(args), parser)
         seq = engine.generate([ids], sampling_from_args(args))[0]
         memory = engine.group.call("memory")
     steps = [round((b - a) * 1e3, 3) for a, b in zip(seq.token_times, seq.token_times[1:])]
     extra = {"dcp": args.dcp, "dcp_comm": args.dcp_comm, "indexer": args.indexer, "step_ms": steps,
              "cache_bytes_per_rank": [m["latent_bytes"] + m["index_bytes"] for m in memory]}
-    print_generation(args, engine.tokenizer, seq.output_ids, seq.ttft_ms, seq.tpot_ms, extra)
+    print_generation(args, tokenizer_from_args(args), seq.output_ids, seq.ttft_ms, seq.tpot_ms, extra)
     return 0
 
 
@@ -136,7 +149,7 @@ def cmd_demo(args, parser) -> int:
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=())
     ref = ReferenceEngine(args.model)
-    ids = ref.tokenizer.encode(args.prompt)
+    ids = tokenizer_from_args(args).encode(args.prompt)
     print(f"model {ref.model_dir} ({ref.cfg.model_type}, {ref.cfg.num_layers} layers); prompt {len(ids)} tokens")
     seq = ref.generate([ids], params)[0]
     print(f"reference      : {seq.output_ids[:12]}...  TTFT {seq.ttft_ms:7.1f} ms  TPOT {seq.tpot_ms:6.2f} ms")
@@ -150,7 +163,7 @@ def cmd_demo(args, parser) -> int:
     same = dec.output_ids == seq.output_ids
     print(f"decode DCP={args.dcp}   : {dec.output_ids[:12]}...  TPOT {dec.tpot_ms:6.2f} ms  "
           f"({'equal to' if same else 'DIFFERENT from'} the reference)")
-    print(f"text: {ref.tokenizer.decode(seq.output_ids)!r}")
+    print(f"text: {tokenizer_from_args(args).decode(seq.output_ids)!r}")
     return 0 if same else 1
 
 

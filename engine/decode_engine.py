@@ -13,7 +13,6 @@ from engine.cache.pool import KVPool
 from engine.cache.slots import pages_needed
 from engine.model.loader import load_model, parse_dtype, resolve_dtype
 from engine.model.tiny import resolve_model_dir
-from engine.model.tokenizer import load_tokenizer
 from engine.parallel.group import WorkerGroup
 from engine.plan import StepPlan
 from engine.runner import LocalRunner
@@ -53,16 +52,16 @@ class DCPDecodeEngine(Engine):
                  replicate_q_proj: bool = False, dtype: str = "auto", page_size: int = 16,
                  max_cache_tokens: int = 1 << 16, chunk_size: int = 4096, threads_per_rank: int = 1,
                  record_logits: bool = False, trace: bool = False, reference_prefill: bool = True,
-                 kv_transport: str | None = None, kv_host: str = "127.0.0.1", lease_s: float = 30.0):
+                 kv_transport: str | None = None, kv_host: str = "127.0.0.1", lease_s: float = 30.0,
+                 generation_config: str = "auto"):
         from engine.model.config import ModelConfig
 
         self.model_dir = resolve_model_dir(model)
-        self.cfg = ModelConfig.from_dir(self.model_dir)
+        self.cfg = ModelConfig.from_dir(self.model_dir, generation_config)
         dtype = resolve_dtype(dtype, self.cfg)
         lm = load_model(self.model_dir, dtype) if reference_prefill else None
         if dcp < 1 or self.cfg.num_heads % dcp:
             raise ValueError(f"dcp: {dcp} must be >= 1 and divide the model's {self.cfg.num_heads} attention heads")
-        self.tokenizer = load_tokenizer(self.model_dir)
         num_pages = pages_needed(max_cache_tokens, page_size, dcp)
         rows_per_rank = num_pages * page_size
         self.group = WorkerGroup(dcp, "engine.parallel.dcp:DecodeRank",

@@ -14,7 +14,6 @@ from engine.cache.slots import pages_needed
 from engine.model.config import ModelConfig
 from engine.model.loader import resolve_dtype
 from engine.model.tiny import resolve_model_dir
-from engine.model.tokenizer import load_tokenizer
 from engine.parallel.group import WorkerGroup
 from engine.parallel.prefill_cp import CPRunner
 from engine.model.sampler import SamplingParams
@@ -43,7 +42,8 @@ class CPPrefillEngine(Engine):
     def __init__(self, model: str = "tiny", cp: int = 2, strategy: str = "interleave", layer_split: bool = False,
                  dtype: str = "auto", chunk_size: int = 4096, page_size: int = 16, max_cache_tokens: int = 1 << 16,
                  threads_per_rank: int = 1, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False,
-                 kv_transport: str | None = None, kv_host: str = "127.0.0.1", overlap: bool = False):
+                 kv_transport: str | None = None, kv_host: str = "127.0.0.1", overlap: bool = False,
+                 generation_config: str = "auto"):
         if cp < 1:
             raise ValueError(f"cp: must be >= 1, got {cp}")
         if strategy not in STRATEGIES:
@@ -51,9 +51,8 @@ class CPPrefillEngine(Engine):
         if layer_split and strategy != "interleave":
             raise ValueError("layer_split: supported with --strategy interleave only")
         self.model_dir = resolve_model_dir(model)
-        self.cfg = ModelConfig.from_dir(self.model_dir)
+        self.cfg = ModelConfig.from_dir(self.model_dir, generation_config)
         dtype = resolve_dtype(dtype, self.cfg)
-        self.tokenizer = load_tokenizer(self.model_dir)
         self.cp, self.strategy, self.layer_split = cp, strategy, layer_split
         num_pages = pages_needed(max_cache_tokens, page_size, 1)
         self.group = WorkerGroup(cp, "engine.parallel.prefill_cp:PrefillRank",

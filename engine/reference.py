@@ -15,7 +15,6 @@ from engine.cache.slots import pages_needed
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model, parse_dtype, resolve_dtype
 from engine.model.tiny import resolve_model_dir
-from engine.model.tokenizer import load_tokenizer
 from engine.runner import LocalRunner
 from engine.scheduler import Engine, Scheduler
 
@@ -29,7 +28,6 @@ class ReferenceEngine(Engine):
         dtype = self.dtype = resolve_dtype(dtype, ModelConfig.from_dir(self.model_dir))
         self.lm = load_model(self.model_dir, dtype, self.device)
         self.cfg = self.lm.cfg
-        self.tokenizer = load_tokenizer(self.model_dir)
         num_pages = pages_needed(max_cache_tokens, page_size, 1)
         self.pool = KVPool(self.cfg, num_pages * page_size, parse_dtype(dtype), device=self.device)
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits, prefix_cache),

@@ -8,6 +8,7 @@ admission, so a running request never runs out of cache.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -239,6 +240,14 @@ class Engine:
 
     def __init__(self, scheduler: Scheduler, runner):
         self.scheduler, self.runner = scheduler, runner
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The checkpoint's tokenizer, loaded on first use (engines work on ids; services never
+        load it, so a tokenizer that needs --trust-remote-code does not stop them)."""
+        from engine.model.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.model_dir)
 
     @property
     def allocator(self) -> PageAllocator:

@@ -118,6 +118,25 @@ def run_serve_router(args: argparse.Namespace, parser: argparse.ArgumentParser |
     return _serve_until_stopped("router", serve, config)
 
 
+def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
+    """--tokenizer and --trust-remote-code (the router, `cpserve up` and the one-process commands)."""
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
+    p.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="run the Python code a tokenizer ships (auto_map in tokenizer_config.json; e.g. Kimi-K2's)")
+
+
+def add_model_serving_args(p: argparse.ArgumentParser) -> None:
+    """The router's tokenizer, chat template, generation config and length flags (also `cpserve up`'s)."""
+    add_tokenizer_args(p)
+    p.add_argument("--chat-template", default=None, help="Jinja file replacing the tokenizer's chat template")
+    p.add_argument("--generation-config", choices=["auto", "none"], default=None,
+                   help="auto (default): generation_config.json's eos ids stop and its temperature/top_p/top_k are "
+                        "request defaults; none: ignore the file")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + max_tokens limit (default: the config's max_position_embeddings, capped by the "
+                        "decode cache)")
+
+
 def build_parser_serve_router(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("router", help="the router: OpenAI-compatible HTTP and gRPC front, pairs prefill "
                                              "with decode services")
@@ -136,5 +155,6 @@ def build_parser_serve_router(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--rpc-timeout-s", type=float, default=None, help="health/Status/Abort calls (5)")
     p.add_argument("--health-interval-s", type=float, default=None, help="service polling period (2)")
     p.add_argument("--default-max-tokens", type=int, default=None, help="when a request has no max_tokens (16)")
+    add_model_serving_args(p)
     p.set_defaults(handler=run_serve_router, cmd_parser=p)
     return p

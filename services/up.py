@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 
-from engine.model.tokenizer import load_tokenizer
 
 START_TIMEOUT_S = 600  # a real model's load; `--start-timeout-s` overrides
 _SERVING = re.compile(r"serving (\w+) on (\S+)")
@@ -49,11 +48,11 @@ class Child:
             self.lines.append(line)
             del self.lines[:-200]
             m = _SERVING.search(line)
+            if not self.quiet:
+                sys.stderr.write(f"[{self.kind}] {line}")
             if m and m.group(1) == self.kind and self.address is None:
                 self.address, self.ready_at = m.group(2), time.perf_counter()
                 self._ready.set()
-            elif not self.quiet:
-                sys.stderr.write(f"[{self.kind}] {line}")
         self._ready.set()
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> str:
@@ -105,6 +104,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help=f"how long each service may take to load and start (default {START_TIMEOUT_S} s)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--api-key", default=None)
+    from services.cli import add_model_serving_args
+
+    add_model_serving_args(p)
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -126,7 +128,7 @@ def _flags(pairs: list[tuple[str, object]]) -> list[str]:
 
 def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0, quiet: bool = False) -> list[Child]:
     common = _flags([("--config", args.config), ("--model", args.model), ("--host", args.host)])
-    engine_common = _flags([("--dtype", args.dtype)])
+    engine_common = _flags([("--dtype", args.dtype), ("--generation-config", args.generation_config)])
     children = []
     try:
         prefill = Child("prefill", common + engine_common + ["--port", "0"] + _flags([
@@ -140,7 +142,12 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
         p_addr, d_addr = prefill.wait_ready(timeout), decode.wait_ready(timeout)
         router = Child("router", common + _flags([("--port", port), ("--grpc-port", grpc_port),
                                                   ("--api-key", args.api_key),
-                                                  ("--served-model-name", args.served_model_name)])
+                                                  ("--served-model-name", args.served_model_name),
+                                                  ("--tokenizer", args.tokenizer),
+                                                  ("--trust-remote-code", args.trust_remote_code),
+                                                  ("--chat-template", args.chat_template),
+                                                  ("--generation-config", args.generation_config),
+                                                  ("--max-model-len", args.max_model_len)])
                        + ["--prefill", p_addr, "--decode", d_addr], quiet)
         children.append(router)
         router.wait_ready(timeout)
@@ -208,7 +215,12 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
         print(f"  prefill : {children[0].address} (gRPC)")
         print(f"  decode  : {children[1].address} (gRPC)")
         print(f"  router  : http://{http}/v1  (OpenAI API; /health, /metrics)", flush=True)
-        if args.demo:
+        from cpserve.cli import tokenizer_from_args
+        from engine.model.tokenizer import NoTokenizer
+
+        if args.demo and isinstance(tokenizer_from_args(args), NoTokenizer):
+            print("  demo    : skipped (the model has no tokenizer; send token ids)")
+        elif args.demo:
             # One request through the whole path (router → prefill group → KV transfer → decode
             # group) before serving: proof that the cluster works, with its timings.
             body = {"model": served_name(args), "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}
@@ -217,7 +229,7 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
             except RuntimeError as e:
                 print(f"error: the demo request failed: {e}; stopping", file=sys.stderr)
                 return 1
-            print(f"  demo    : {DEMO_PROMPT!r} -> {load_tokenizer(args.model or 'tiny').decode(ids)!r}")
+            print(f"  demo    : {DEMO_PROMPT!r} -> {tokenizer_from_args(args).decode(ids)!r}")
             print(f"            {len(ids)} tokens, TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms/token, ids {ids}")
         print(f"  try     : curl http://{http}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{served_name(args)}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'")
@@ -235,7 +247,7 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
 
 
 def run_generate(args: argparse.Namespace, parser=None) -> int:
-    from cpserve.cli import print_generation
+    from cpserve.cli import print_generation, tokenizer_from_args
 
     body = {"model": served_name(args), "max_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "ignore_eos": args.ignore_eos}
@@ -257,7 +269,7 @@ def run_generate(args: argparse.Namespace, parser=None) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print_generation(args, load_tokenizer(args.model or 'tiny'), ids, ttft, tpot)
+        print_generation(args, tokenizer_from_args(args), ids, ttft, tpot)
         return 0
     finally:
         stop_cluster(children)

@@ -5,6 +5,10 @@
   index, some weights in a different shard than their scale, plus a multi-token-prediction
   layer at index ``num_hidden_layers``.
 - ``bf16_glm_release``: a bf16 ``glm_moe_dsa`` whose "shared" layers still ship indexer weights.
+- both with a byte-level BPE ``tokenizer.json``, a ``tokenizer_config.json`` (``add_bos_token``,
+  a Jinja chat template) and a ``generation_config.json`` listing two eos ids;
+  ``remote_code_tokenizer`` turns a directory's tokenizer into one that needs
+  ``trust_remote_code`` (a Python tokenizer class named by ``auto_map``).
 
 The quantizer and the dequantizer here are the test's own (block loops, independent of the
 loader's code). Ground truth is the transformers model in fp32 on the dequantized weights.
@@ -104,6 +108,7 @@ def fp8_release(path: Path, model_type: str = "deepseek_v3", seed: int = 0):
                                     "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"})
     cfg.pop("torch_dtype", None)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    release_tokenizer(path, cfg["vocab_size"])
     _assign(hf, deq)
     return hf.float().eval()
 
@@ -149,5 +154,103 @@ def bf16_glm_release(path: Path, seed: int = 0):
     cfg.update(dtype="bfloat16")
     cfg.pop("torch_dtype", None)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    release_tokenizer(path, cfg["vocab_size"])
     _assign(hf, out)
     return hf.float().eval()
+
+
+# ---- tokenizer folders --------------------------------------------------------------------------
+BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜pad｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+# DeepSeek-V3's template, shortened: BOS, the system prompt, then User / Assistant turns.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages if m['role'] == 'system' %}{{ m['content'] }}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}" + USER + "{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}" + ASSISTANT + "{{ m['content'] }}" + EOS + "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
+# Trains the merges: ASCII words and CJK characters, so some tokens hold part of a character.
+CORPUS = ["Context parallelism splits long prompts across ranks. ", "the quick brown fox jumps over the lazy dog ",
+          "长上下文 并行 解码 预填充 长上下文 长上下文 ", "naïve café über façade ", "✓ ✓ ✓ → → → "] * 20
+
+
+def release_tokenizer(path: Path, vocab_size: int) -> None:
+    """A byte-level BPE ``tokenizer.json`` trained on :data:`CORPUS` (DeepSeek's special tokens at
+    ids 0..4, BOS added by the post-processor), a ``tokenizer_config.json`` with
+    ``add_bos_token: true`` and a Jinja chat template, and a ``generation_config.json`` whose
+    ``eos_token_id`` is a list (EOS and the User token, as GLM's lists its turn tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [BOS, EOS, PAD, USER, ASSISTANT]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                       special_tokens=[(BOS, 0)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizerFast", "add_bos_token": True, "add_eos_token": False,
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "model_max_length": 16384,
+        "clean_up_tokenization_spaces": False, "legacy": True, "chat_template": CHAT_TEMPLATE}, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": 0, "eos_token_id": [1, specials.index(USER)], "do_sample": True, "temperature": 0.6,
+        "top_p": 0.95}, indent=2))
+
+
+REMOTE_CODE = '''
+"""A byte tokenizer shipped as code with its checkpoint (as Kimi-K2 ships its tiktoken one)."""
+from transformers import PreTrainedTokenizer
+
+
+class ByteCodeTokenizer(PreTrainedTokenizer):
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("bos_token", "[BOS]")
+        kwargs.setdefault("eos_token", "[EOS]")
+        kwargs.setdefault("pad_token", "[PAD]")
+        super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self):
+        return 259
+
+    def get_vocab(self):
+        vocab = {"[BOS]": 0, "[EOS]": 1, "[PAD]": 2, **{f"<0x{b:02X}>": b + 3 for b in range(256)}}
+        vocab.update(self.added_tokens_encoder)
+        return vocab
+
+    def _tokenize(self, text, **kwargs):
+        return [f"<0x{b:02X}>" for b in text.encode("utf-8")]
+
+    def _convert_token_to_id(self, token):
+        return self.get_vocab().get(token, 2)
+
+    def _convert_id_to_token(self, index):
+        return {0: "[BOS]", 1: "[EOS]", 2: "[PAD]"}.get(index) or f"<0x{index - 3:02X}>"
+
+    def convert_tokens_to_string(self, tokens):
+        data = bytes(int(t[3:5], 16) for t in tokens if t.startswith("<0x") and len(t) == 6)
+        return data.decode("utf-8", errors="replace")
+
+    def build_inputs_with_special_tokens(self, token_ids_0, token_ids_1=None):
+        return [self.bos_token_id] + token_ids_0 + ([] if token_ids_1 is None else [self.bos_token_id] + token_ids_1)
+
+    def save_vocabulary(self, save_directory, filename_prefix=None):
+        return ()
+'''
+
+
+def remote_code_tokenizer(path: Path) -> None:
+    """A tokenizer that only loads with trust_remote_code: ``auto_map`` points AutoTokenizer at a
+    Python (slow) tokenizer class in the checkpoint directory. Byte ids as the tiny models'."""
+    (path / "tokenization_bytecode.py").write_text(REMOTE_CODE)
+    for stale in ("tokenizer.json",):
+        (path / stale).unlink(missing_ok=True)
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "ByteCodeTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_bytecode.ByteCodeTokenizer", None]},
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "chat_template": CHAT_TEMPLATE}, indent=2))

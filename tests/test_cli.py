@@ -14,7 +14,7 @@ import torch
 from cpserve.cli import main
 from engine.model.sampler import SamplingParams
 from engine.model.tiny import MODEL_TYPES, resolve_model_dir
-from engine.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from engine.model.tokenizer import NoTokenizer, Tokenizer, load_tokenizer
 from engine.reference import ReferenceEngine
 
 CPSERVE = Path(sys.executable).with_name("cpserve")  # the console script pip installed
@@ -76,7 +76,7 @@ def test_reference_cli_json(tmp_path):
     expected = ReferenceEngine(str(tmp_path / "m")).generate(
         [[5, 6, 7, 8, 9, 10]], SamplingParams(max_new_tokens=5, stop_token_ids=()))[0].output_ids
     assert result["output_ids"] == expected
-    assert result["text"] == ByteTokenizer().decode(expected)
+    assert result["text"] == load_tokenizer(tmp_path / "m").decode(expected)
     assert result["ttft_ms"] > 0 and result["tpot_ms"] > 0
 
 
@@ -97,7 +97,7 @@ def test_reference_cli_sampling_is_seeded(tmp_path, capsys):
     (["--prompt-ids", "5,x"], "--prompt-ids"),
     (["--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens"),
     (["--prompt-ids", "5,99999"], "prompt"),
-    (["--prompt", ""], "prompt"),
+    (["--prompt-ids", ","], "prompt"),  # no ids ("" as text is BOS alone: a valid prompt, as in vLLM)
 ])
 def test_reference_cli_bad_input_names_the_field(tmp_path, capsys, argv, field):
     main(["make-tiny", str(tmp_path / "m")])
@@ -126,13 +126,13 @@ def _word_tokenizer(path: Path) -> None:
 
 def test_checkpoint_tokenizer_json_is_used(tmp_path, capsys):
     main(["make-tiny", str(tmp_path / "m")])
+    (tmp_path / "m" / "tokenizer_config.json").unlink()
     _word_tokenizer(tmp_path / "m")
     tok = load_tokenizer(tmp_path / "m")
-    assert isinstance(tok, HFTokenizer)
+    assert isinstance(tok, Tokenizer)
     ids = tok.encode("the cat sat on a mat")
     assert ids == [2, 3, 4, 5, 6, 7]
     assert tok.decode(ids) == "the cat sat on a mat"
-    assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)  # no tokenizer.json: bytes
 
     capsys.readouterr()
     assert main(["reference", "--model", str(tmp_path / "m"), "--prompt", "the cat sat",
@@ -143,10 +143,38 @@ def test_checkpoint_tokenizer_json_is_used(tmp_path, capsys):
     assert result["output_ids"] == expected and result["text"] == tok.decode(expected)
 
 
-def test_byte_tokenizer_round_trips_utf8():
-    tok = ByteTokenizer()
+def test_checkpoint_without_tokenizer_refuses_text_not_ids(tmp_path, capsys):
+    """No silent byte fallback: text is refused with a message that says why; ids still work."""
+    main(["make-tiny", str(tmp_path / "m")])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "m" / name).unlink()
+    assert isinstance(load_tokenizer(tmp_path / "m"), NoTokenizer)
+    capsys.readouterr()
+    assert main(["reference", "--model", str(tmp_path / "m"), "--prompt", "hello", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer" in err and "Traceback" not in err
+    assert main(["reference", "--model", str(tmp_path / "m"), "--prompt-ids", "5,6,7", "--max-new-tokens", "2",
+                 "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["output_ids"]) == 2
+
+
+def test_tiny_tokenizer_keeps_byte_ids_and_loads_with_auto_tokenizer():
+    """The embedded models' tokenizer folder: ids 0 <bos>, 1 <eos>, 2 <pad>, 3 + b for byte b; BOS
+    added as tokenizer_config.json says; a chat template; loadable by any AutoTokenizer user."""
+    from transformers import AutoTokenizer
+
+    from engine.model.tiny import resolve_model_dir
+
+    tok = load_tokenizer("tiny")
     text = "long context · 长上下文 ✓"
     ids = tok.encode(text)
-    assert len(ids) == len(text.encode()) and min(ids) >= 3
+    assert ids == [0] + [b + 3 for b in text.encode()]
     assert tok.decode(ids) == text
-    assert tok.decode([tok.eos_token_id, *ids, 400]) == text  # specials and ids past the bytes drop
+    assert tok.decode([tok.eos_token_id, *ids[1:], 300]) == text  # specials and unused ids drop
+    hf = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny")))
+    assert hf(text)["input_ids"] == ids and len(hf) == 320
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (0, 1, 2)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    rendered = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert rendered == "<bos><|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    assert tok.apply_chat_template(chat) == [0] + [b + 3 for b in rendered[len("<bos>"):].encode()]

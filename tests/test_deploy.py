@@ -146,6 +146,12 @@ def test_dockerfile_variants_packages_user_and_healthcheck():
     assert f"CPSERVE_MOONCAKE={mooncake}" in text
     assert f"CPSERVE_MOONCAKE=mooncake-transfer-engine=={version}" in text
 
+    # Real checkpoints' tokenizers and chat templates: transformers and jinja2 are runtime
+    # dependencies, and the image checks that they import.
+    names = {re.split(r"[=<>!~\[ ]", d)[0].lower() for d in deps}
+    assert {"transformers", "jinja2", "tokenizers"} <= names
+    assert any("import torch" in r and "transformers" in r and "jinja2" in r for r in runs)
+
     # Every package the project installs is copied into the build context.
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     copied = {rest.split()[0] for w, rest in ins if w == "COPY"}

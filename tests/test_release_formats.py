@@ -204,7 +204,7 @@ def test_dtype_flag_on_every_command():
 
 def test_generation_config_eos_list_and_sampling_defaults(tmp_path):
     from engine.model.tiny import make_tiny
-    from engine.model.tokenizer import ByteTokenizer
+    from engine.model.tokenizer import load_tokenizer
     from services.router.params import ModelContext, parse_request
 
     path = make_tiny(tmp_path / "m", "deepseek_v3")
@@ -217,7 +217,7 @@ def test_generation_config_eos_list_and_sampling_defaults(tmp_path):
     seq = ReferenceEngine(str(path)).generate([p], SamplingParams(max_new_tokens=6))[0]
     assert seq.output_ids == free[:3] and seq.finish_reason == "stop"  # stopped at the list's first id
 
-    ctx = ModelContext("m", ByteTokenizer(), cfg.vocab_size, cfg.eos_token_ids, cfg.max_position_embeddings,
+    ctx = ModelContext("m", load_tokenizer(path), cfg.vocab_size, cfg.eos_token_ids, cfg.max_position_embeddings,
                        lambda: None, sampling_defaults=cfg.sampling_defaults)
     s = parse_request({"prompt": [5, 6], "max_tokens": 2}, ctx, chat=False).completion.job.sampling
     assert s.temperature == pytest.approx(0.6) and s.top_p == pytest.approx(0.95) and s.top_k == 0
@@ -227,3 +227,52 @@ def test_generation_config_eos_list_and_sampling_defaults(tmp_path):
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [99999]}))
     with pytest.raises(ModelConfigError, match="generation_config.json: eos_token_id"):
         ModelConfig.from_dir(path)
+    assert ModelConfig.from_dir(path, "none").eos_token_ids == (1,)  # --generation-config none: the file is ignored
+
+
+def test_plan_reports_the_weights_every_rank_holds(fp8, capsys):
+    """`cpserve plan --model DIR` sizes the weights from config.json alone; the figure equals
+    what the loader really allocates, for each dtype."""
+    from cpserve.cli import main
+    from engine.model.loader import load_model
+
+    path, _ = fp8
+    for dtype in ("fp32", "bf16"):
+        capsys.readouterr()
+        assert main(["plan", "--model", str(path), "--dcp", "2", "--indexer", "copied", "--dtype", dtype,
+                     "--json"]) == 0
+        planned = json.loads(capsys.readouterr().out)["weight_bytes_per_rank"]
+        lm = load_model(path, dtype)
+        assert planned == sum(t.numel() * t.element_size() for t in lm.state_dict().values())
+
+
+def test_cpserve_up_passes_the_serving_flags_to_its_services(monkeypatch):
+    """`cpserve up --tokenizer … --max-model-len …` reaches the router (and
+    --generation-config / --dtype the engines), as the flags `cpserve serve` parses."""
+    import services.up as up
+    from cpserve.cli import build_parser
+
+    started = {}
+
+    class Fake:
+        def __init__(self, kind, argv, quiet=False):
+            started[kind] = argv
+            self.kind = kind
+
+        def wait_ready(self, timeout):
+            return "127.0.0.1:1"
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(up, "Child", Fake)
+    args = up.cluster_args(["--tokenizer", "/tok", "--trust-remote-code", "--chat-template", "/t.jinja",
+                            "--generation-config", "none", "--max-model-len", "99", "--dtype", "bf16"])
+    up.start_cluster(args, 0)
+    parser = build_parser()
+    router = parser.parse_args(["serve", "router", *started["router"]])
+    assert (router.tokenizer, router.trust_remote_code, router.chat_template, router.generation_config,
+            router.max_model_len) == ("/tok", True, "/t.jinja", "none", 99)
+    for kind in ("prefill", "decode"):
+        engine = parser.parse_args(["serve", kind, *started[kind]])
+        assert (engine.generation_config, engine.dtype) == ("none", "bf16")

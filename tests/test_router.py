@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 import threading
 import time
 import uuid
@@ -22,10 +23,11 @@ from services.protos import (common_pb2, decode_pb2, decode_pb2_grpc, kv_pb2, pr
 from services.router.backend import (BackendError, DecodeClient, DecodeLoad, Done, FirstToken, Job, PrefillClient,
                                      PrefillLoad, Reservation, Token)
 from services.common.config import RouterConfig
-from services.router.pairing import Endpoint, pick_pair
+from services.router.pairing import Cluster, Endpoint, pick_pair
 from services.router.params import stop_token_set
 from services.router.server import serve_router
 from services.router.textstream import TextAssembler
+from engine.model.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,21 +40,22 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
 # ---- fakes -----------------------------------------------------------------------------------
-def reply(job: Job, eos_at: int | None = None) -> tuple[list[int], str]:
-    """What the fake "model" generates for ``job``: TEXT over and over (EOS at ``eos_at``), under
-    the stop rule of common.proto. Returns (ids, finish_reason)."""
+def reply(job: Job, eos_at: int | None = None, text_ids: list[int] = TEXT_IDS) -> tuple[list[int], str]:
+    """What the fake "model" generates for ``job``: ``text_ids`` (TEXT's) over and over (EOS at
+    ``eos_at``), under the stop rule of common.proto. Returns (ids, finish_reason)."""
     stop = stop_token_set(job.sampling, (EOS,))
     ids: list[int] = []
     for i in range(job.sampling.max_new_tokens):
-        ids.append(EOS if i == eos_at else TEXT_IDS[i % len(TEXT_IDS)])
+        ids.append(EOS if i == eos_at else text_ids[i % len(text_ids)])
         if ids[-1] in stop:
             return ids, "stop"
     return ids, "length"
 
 
 class FakePrefill(PrefillClient):
-    def __init__(self, address: str = "p0", fail: BackendError | None = None, eos_at: int | None = None):
-        self.address, self.fail, self.eos_at = address, fail, eos_at
+    def __init__(self, address: str = "p0", fail: BackendError | None = None, eos_at: int | None = None,
+                 text_ids: list[int] = TEXT_IDS):
+        self.address, self.fail, self.eos_at, self.text_ids = address, fail, eos_at, text_ids
         self.jobs: list[Job] = []
         self.healthy = True
 
@@ -61,7 +64,7 @@ class FakePrefill(PrefillClient):
         assert destination["reservation"]  # the router passes the decode's destination through
         if self.fail:
             raise self.fail
-        return FirstToken(reply(job, self.eos_at)[0][0], 1234, prefill_ms=3.0, transfer_bytes=1000, transfer_ms=2.0)
+        return FirstToken(reply(job, self.eos_at, self.text_ids)[0][0], 1234, prefill_ms=3.0, transfer_bytes=1000, transfer_ms=2.0)
 
     async def status(self, timeout):
         return PrefillLoad(0)
@@ -73,10 +76,10 @@ class FakePrefill(PrefillClient):
 class FakeDecode(DecodeClient):
     def __init__(self, address: str = "d0", *, capacity: int = 4096, fail_reserve: BackendError | None = None,
                  fail_after: int | None = None, fail_code=UNAVAILABLE, block_after: int | None = None,
-                 delay_s: float = 0.0, eos_at: int | None = None):
+                 delay_s: float = 0.0, eos_at: int | None = None, text_ids: list[int] = TEXT_IDS):
         self.address, self.capacity, self.fail_reserve = address, capacity, fail_reserve
         self.fail_after, self.fail_code, self.block_after = fail_after, fail_code, block_after
-        self.delay_s, self.eos_at = delay_s, eos_at
+        self.delay_s, self.eos_at, self.text_ids = delay_s, eos_at, text_ids
         self.reserved: list[str] = []
         self.aborted: list[str] = []
         self.cancelled = threading.Event()  # a stream was closed before its end
@@ -91,7 +94,7 @@ class FakeDecode(DecodeClient):
 
     async def generate(self, job, reservation, first, timeout):
         assert first.seed == 1234 and reservation.id in self.reserved
-        ids, reason = reply(job, self.eos_at)
+        ids, reason = reply(job, self.eos_at, self.text_ids)
         finished = False
         try:
             for i in range(1, len(ids)):
@@ -191,13 +194,8 @@ def test_pick_pair_least_loaded_healthy_and_round_robin():
     assert {pick_pair(idle_p, idle_d, set(), turn)[0].address for turn in range(2)} == {"p0", "p1"}
 
 
-class _Bytes:
-    def decode(self, ids):
-        return bytes(i - 3 for i in ids).decode("utf-8", errors="replace")
-
-
 def _run_text(text: str, stop=(), stop_ids=frozenset()) -> tuple[list[str], TextAssembler]:
-    asm = TextAssembler(_Bytes(), tuple(stop), stop_ids)
+    asm = TextAssembler(load_tokenizer(MODEL), tuple(stop), stop_ids)
     deltas = [asm.push(b + 3) for b in text.encode()]
     deltas.append(asm.flush())
     return deltas, asm
@@ -215,8 +213,65 @@ def test_text_assembler_holds_partial_characters_and_stop_prefixes():
     deltas, asm = _run_text("abcdef", stop=["ef", "bcd"])
     assert "".join(deltas) == "a"
     # a stop token's text is not rendered
-    asm = TextAssembler(_Bytes(), (), frozenset({ord("!") + 3}))
+    asm = TextAssembler(load_tokenizer(MODEL), (), frozenset({ord("!") + 3}))
     assert [asm.push(i) for i in (ord("a") + 3, ord("!") + 3)] == ["a", ""]
+
+
+def test_incremental_text_equals_the_full_decode(tmp_path):
+    """For a byte-level BPE with merges (tokens holding part of a character) and for a Python
+    tokenizer (the offset decoder): the streamed pieces join to decode(ids), valid or not, and
+    a valid text never shows a replacement character on the way."""
+    import random
+
+    from tests.release_fixtures import release_tokenizer, remote_code_tokenizer
+
+    release_tokenizer(tmp_path, 300)
+    fast = load_tokenizer(tmp_path)
+    (tmp_path / "slow").mkdir()
+    remote_code_tokenizer(tmp_path / "slow")
+    slow = load_tokenizer(tmp_path / "slow", trust_remote_code=True)
+    rng = random.Random(0)
+    alphabet = "ab 长上下文 naïve ✓→é世"
+    split = 0
+    for tok, vocab in ((fast, 300), (slow, 259)):
+        for _ in range(150):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 30)))
+            ids = tok.encode(text)[1:]
+            asm = TextAssembler(tok)
+            pieces = [asm.push(i) for i in ids]
+            assert "".join(pieces) + asm.flush() == text and not any("\ufffd" in p for p in pieces)
+            split += pieces.count("")
+            noise = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+            asm = TextAssembler(tok)
+            assert "".join(asm.push(i) for i in noise) + asm.flush() == tok.decode(noise)
+    assert split > 0  # some tokens really did end inside a character
+
+
+MULTI = "héllo 长上下文 ✓ → ok"
+
+
+def test_streaming_sends_one_chunk_per_token_and_never_half_a_character(start_router):
+    ids = [b + 3 for b in MULTI.encode()]  # the tiny byte tokenizer: every multi-byte character split
+    n = len(ids)
+    h = start_router(prefills=[FakePrefill(text_ids=ids)], decodes=[FakeDecode(text_ids=ids)])
+    c = client(h)
+    full = c.completions.create(model=MODEL, prompt="x", max_tokens=n, temperature=0)
+    assert full.choices[0].text == MULTI
+    chunks = list(c.completions.create(model=MODEL, prompt="x", max_tokens=n, temperature=0, stream=True,
+                                       extra_body={"return_token_ids": True}))
+    per_token = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].finish_reason is None]
+    assert [ch.token_ids for ch in per_token] == [[i] for i in ids]  # one chunk per token, in order
+    texts = [ch.text for ch in per_token]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == MULTI
+    assert texts.count("") == len(MULTI.encode()) - len(MULTI) and not any("\ufffd" in t for t in texts)
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=n)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                            max_tokens=n, stream=True))
+    assert len([ch for ch in chunks if ch.choices[0].finish_reason is None]) == n
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == chat.choices[0].message.content == MULTI
+    # a stop string that ends in the middle of a multi-byte character's tokens
+    r = c.completions.create(model=MODEL, prompt="x", max_tokens=n, stop=["上下"])
+    assert r.choices[0].text == "héllo 长" and r.choices[0].finish_reason == "stop"
 
 
 # ---- OpenAI shapes ---------------------------------------------------------------------------
@@ -226,7 +281,7 @@ def test_completions_non_streaming_and_streaming_shapes(start_router):
     r = c.completions.create(model=MODEL, prompt="Hello", max_tokens=9, temperature=0)
     assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
     assert r.choices[0].text == TEXT[:9] and r.choices[0].finish_reason == "length"
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 9, 14)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (6, 9, 15)  # BOS + 5 bytes
 
     chunks = list(c.completions.create(model=MODEL, prompt="Hello", max_tokens=9, stream=True,
                                        stream_options={"include_usage": True}))
@@ -252,8 +307,9 @@ def test_chat_completions_shapes_and_template(start_router):
     r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == TEXT[:5] and r.choices[0].finish_reason == "length"
-    rendered = bytes(i - 3 for i in prefill.jobs[-1].prompt_ids).decode()
-    assert rendered == "system: be brief\nuser: hi\nassistant: "
+    assert prefill.jobs[-1].prompt_ids[0] == 0  # the template writes BOS
+    rendered = bytes(i - 3 for i in prefill.jobs[-1].prompt_ids[1:]).decode()
+    assert rendered == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"  # the tiny model's template
 
     chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -276,7 +332,8 @@ def test_return_token_ids(start_router):
     assert chunks[0].choices[0].prompt_token_ids == [72, 105]
     r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                   extra_body={"return_token_ids": True})
-    assert r.choices[0].token_ids == TEXT_IDS[:3] and len(r.prompt_token_ids) == len("user: x\nassistant: ")
+    assert r.choices[0].token_ids == TEXT_IDS[:3] and r.prompt_token_ids == load_tokenizer(MODEL).apply_chat_template(
+        [{"role": "user", "content": "x"}])
 
 
 def test_stop_strings_cut_text_and_cancel_the_decode_stream(start_router):
@@ -335,7 +392,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "echo": True}, 400, "echo"),
     ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"max_tokens": 3}, 400, "prompt"),
-    ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
@@ -522,7 +578,7 @@ def test_grpc_front_generate_errors_and_health(start_router):
         assert "".join(t.text for t in tokens) == "The qu"
         done = events[-1].done
         assert done.finish_reason == router_pb2.FINISH_REASON_STOP and done.completion_tokens == 9
-        assert done.prompt_tokens == 5
+        assert done.prompt_tokens == 6  # BOS + 5 bytes
         events = list(stub.Generate(router_pb2.GenerateRequest(ids=router_pb2.PromptIds(ids=[5, 6])), metadata=auth))
         assert len(events) == 17 and events[-1].done.finish_reason == router_pb2.FINISH_REASON_LENGTH
         for bad, code, field in [
@@ -745,3 +801,80 @@ def test_router_config_from_yaml_and_cli_serve_router(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- the checkpoint's tokenizer, chat template and limits --------------------------------------
+def _tiny_copy(tmp_path, name="m"):
+    import shutil
+
+    from engine.model.tiny import resolve_model_dir
+
+    return Path(shutil.copytree(resolve_model_dir(MODEL), tmp_path / name))
+
+
+def test_model_without_tokenizer_refuses_text_and_serves_ids(start_router, tmp_path):
+    path = _tiny_copy(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (path / f).unlink()
+    h = start_router(model=str(path))
+    for route, body in (("/v1/completions", {"prompt": "hello"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        resp = post(h, route, {**body, "max_tokens": 2})
+        assert resp.status_code == 400 and "no tokenizer" in resp.json()["error"]["message"], resp.text
+    r = client(h).completions.create(model=str(path), prompt=[5, 6, 7], max_tokens=3,
+                                     extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == TEXT_IDS[:3] and r.choices[0].text == ""  # ids out, no text to render
+
+
+def test_chat_template_missing_or_overridden(start_router, tmp_path):
+    path = _tiny_copy(tmp_path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    h = start_router(model=str(path))
+    resp = post(h, "/v1/chat/completions", chat)
+    assert resp.status_code == 400 and "no chat template" in resp.json()["error"]["message"]
+    assert resp.json()["error"]["param"] == "messages"
+    assert post(h, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200  # text still works
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] ")
+    prefill = FakePrefill()
+    h = start_router(prefills=[prefill], model=str(path), chat_template=str(template))
+    r = client(h).chat.completions.create(model=str(path), messages=[{"role": "system", "content": "s"},
+                                                                      {"role": "user", "content": "hi"}],
+                                          max_tokens=2)
+    assert r.usage.prompt_tokens == len("[system] s\n[user] hi\n[assistant] ")  # no BOS: the template has none
+    assert bytes(i - 3 for i in prefill.jobs[-1].prompt_ids).decode() == "[system] s\n[user] hi\n[assistant] "
+    # a template's own check (raise_exception) is a 400 naming messages, not a 500
+    template.write_text("{{ raise_exception('roles must alternate') }}")
+    h = start_router(model=str(path), chat_template=str(template))
+    resp = post(h, "/v1/chat/completions", chat)
+    assert resp.status_code == 400 and "roles must alternate" in resp.json()["error"]["message"]
+
+
+def test_max_model_len_and_generation_config_flags(start_router, tmp_path):
+    path = _tiny_copy(tmp_path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 1], "temperature": 0.25}))
+    h = start_router(model=str(path), max_model_len=64)
+    models = httpx.get(f"{h.url}/v1/models", trust_env=False).json()["data"]
+    assert models[0]["max_model_len"] == 64
+    resp = post(h, "/v1/completions", {"prompt": [5] * 60, "max_tokens": 8})
+    assert resp.status_code == 400 and "64" in resp.json()["error"]["message"]
+    prefill = FakePrefill()
+    h = start_router(prefills=[prefill], model=str(path))
+    post(h, "/v1/completions", {"prompt": [5], "max_tokens": 1})
+    assert prefill.jobs[-1].sampling.temperature == pytest.approx(0.25)
+    h = start_router(prefills=[prefill], model=str(path), generation_config="none")
+    post(h, "/v1/completions", {"prompt": [5], "max_tokens": 1})
+    assert prefill.jobs[-1].sampling.temperature == 1.0
+    from services.router.server import model_context
+
+    def eos(**kw):
+        return model_context(RouterConfig(prefill=("p",), decode=("d",), model=str(path), **kw),
+                             Cluster(["p"], ["d"])).eos_token_ids
+
+    assert eos() == (7, 1) and eos(generation_config="none") == (1,)
+    with pytest.raises(ValueError, match="max_model_len"):
+        start_router(model=str(path), max_model_len=10**9)

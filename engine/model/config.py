@@ -252,12 +252,16 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path, generation_config: str = "auto") -> "ModelConfig":
         """config.json, and generation_config.json when the checkpoint has one: its
         ``eos_token_id`` (an int or a list) are stop ids before config.json's, and its
         temperature / top_p / top_k become ``sampling_defaults`` (as vLLM's
-        ``--generation-config auto``)."""
+        ``--generation-config auto``); ``generation_config="none"`` ignores the file."""
+        if generation_config not in ("auto", "none"):
+            raise ModelConfigError(f"generation_config: {generation_config!r} is not one of auto, none")
         cfg = cls.from_dict(_read_json(Path(path) / "config.json", required=True, where=path))
+        if generation_config == "none":
+            return cfg
         gen = _read_json(Path(path) / "generation_config.json", required=False, where=path)
         if not gen:
             return cfg

@@ -1,7 +1,9 @@
 """The embedded tiny checkpoints: deterministic, a few MB, made on first use.
 
 ``make_tiny(dir, model_type)`` writes a Hugging Face-format checkpoint (config.json +
-model.safetensors with transformers' tensor names). The default model, ``tiny``, is a
+model.safetensors with transformers' tensor names, and a tokenizer folder: a byte-level
+``tokenizer.json`` with ids 0 <bos>, 1 <eos>, 2 <pad>, 3 + b for byte b, and a
+``tokenizer_config.json`` that adds BOS and carries :data:`TINY_CHAT_TEMPLATE`). The default model, ``tiny``, is a
 ``glm_moe_dsa`` one with index sharing ("FSFS") and MoE layers; its ``index_topk`` (32) is far
 below typical prompt lengths, so sparse selection really selects.
 """
@@ -17,8 +19,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-TINY_VERSION = 2  # part of the cache path: bump when the checkpoint's bytes change
+TINY_VERSION = 3  # part of the cache path: bump when the checkpoint's bytes change
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+# One block per message, the generation prompt last; BOS first, as DeepSeek's template writes it.
+TINY_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def tiny_config(model_type: str = "glm_moe_dsa", **overrides) -> dict:
@@ -120,6 +125,10 @@ def make_tiny(path: str | Path, model_type: str = "glm_moe_dsa", seed: int = 0, 
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        from engine.model.tokenizer import byte_tokenizer_files
+
+        for name, text in byte_tokenizer_files(cfg["vocab_size"], TINY_CHAT_TEMPLATE).items():
+            (tmp / name).write_text(text)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -1,42 +1,268 @@
-"""Tokenizers: the checkpoint's ``tokenizer.json`` (Hugging Face tokenizers), else byte-level.
+"""The checkpoint's tokenizer, through transformers' ``AutoTokenizer`` (as vLLM and SGLang load it).
 
-Byte-level ids: 0 = <bos>, 1 = <eos>, 2 = <pad>, 3 + b for byte b; ids above 258 decode to "".
+``load_tokenizer(model, tokenizer=None, trust_remote_code=False, chat_template=None)`` returns
+
+- a :class:`Tokenizer` wrapping the transformers tokenizer of ``tokenizer`` (a directory) or of
+  the checkpoint directory: ``tokenizer_config.json`` decides BOS/EOS, added special tokens and
+  whether BOS is added; ``encode`` adds the special tokens the tokenizer adds (BOS for DeepSeek /
+  Kimi / the tiny models), ``decode`` skips special tokens, ``apply_chat_template`` renders a
+  conversation with the checkpoint's template (``tokenizer_config.json`` or
+  ``chat_template.jinja``; ``chat_template`` — a file — overrides it);
+- a :class:`NoTokenizer` when the directory has no tokenizer files: token ids still work, text
+  raises :class:`NoTokenizerError` (the router turns that into a 400). There is no silent byte
+  fallback for a checkpoint.
+
+A tokenizer that ships code (``auto_map`` in ``tokenizer_config.json``, e.g. Kimi-K2's tiktoken
+one) loads only with ``trust_remote_code``; without it the error names ``--trust-remote-code``.
+
+Streaming: :meth:`Tokenizer.decode_stream` gives an incremental decoder whose ``step`` costs
+O(new tokens): the tokenizers library's ``DecodeStream`` for fast tokenizers, an offset-based
+window for Python ("slow") ones. Both hold text back while it ends in an incomplete UTF-8
+character; ``finish`` returns what the full decode has beyond what was streamed, so the streamed
+text always equals ``decode(all ids)``.
+
+The embedded tiny models ship a Hugging Face tokenizer folder with byte ids: 0 = <bos>,
+1 = <eos>, 2 = <pad>, 3 + b for byte b, and ``<unused_N>`` special tokens up to the vocabulary.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("cpserve.tokenizer")
 
 BYTE_OFFSET = 3
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
-class ByteTokenizer:
-    bos_token_id, eos_token_id = 0, 1
+class TokenizerError(ValueError):
+    """The tokenizer cannot be loaded (named file, flag or field in the message)."""
+
+
+class NoTokenizerError(ValueError):
+    """Text was given to a model served without a tokenizer."""
+
+
+class NoChatTemplateError(ValueError):
+    """A conversation was given to a tokenizer without a chat template."""
+
+
+class Tokenizer:
+    """A transformers tokenizer with the calls cpserve makes."""
+
+    def __init__(self, hf: Any, source: Path):
+        self.hf, self.source = hf, source
+        self.bos_token_id: int | None = hf.bos_token_id
+        self.eos_token_id: int | None = hf.eos_token_id
+        self._backend = getattr(hf, "backend_tokenizer", None)  # a tokenizers.Tokenizer for fast ones
+
+    def __len__(self) -> int:
+        return len(self.hf)
 
     def encode(self, text: str) -> list[int]:
-        return [b + BYTE_OFFSET for b in text.encode("utf-8")]
+        """Token ids of ``text`` with the tokenizer's special tokens (BOS where it adds one)."""
+        return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, ids: list[int]) -> str:
-        data = bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < BYTE_OFFSET + 256)
-        return data.decode("utf-8", errors="replace")
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if not self.has_chat_template:
+            raise NoChatTemplateError("the model's tokenizer has no chat template (pass --chat-template FILE)")
+        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """The ids of ``messages`` rendered with the chat template, generation prompt added. The
+        template writes its own special tokens (BOS), so none are added when encoding it."""
+        return list(self.hf.encode(self.render_chat(messages), add_special_tokens=False))
+
+    def decode_stream(self) -> "FastDecodeStream | OffsetDecodeStream":
+        if self._backend is not None:
+            return FastDecodeStream(self)
+        return OffsetDecodeStream(self)
 
 
-class HFTokenizer:
-    def __init__(self, path: Path):
-        from tokenizers import Tokenizer
+class _StreamBase:
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.ids: list[int] = []
+        self.sent = 0  # characters handed out
 
-        self._tok = Tokenizer.from_file(str(path))
+    def finish(self) -> str:
+        """The text of all ids beyond what ``step`` returned (one full decode, at the end)."""
+        if not self.ids:
+            return ""
+        full = self.tok.decode(self.ids)
+        tail = full[self.sent:] if len(full) > self.sent else ""
+        self.sent += len(tail)
+        return tail
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+
+class FastDecodeStream(_StreamBase):
+    """tokenizers' ``DecodeStream``: O(1) amortised per token."""
+
+    def __init__(self, tok: Tokenizer):
+        from tokenizers.decoders import DecodeStream
+
+        super().__init__(tok)
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        try:
+            piece = self._stream.step(self.tok._backend, token_id)
+        except Exception:  # an id the tokenizer's vocabulary lacks (padded embedding rows): no text
+            piece = None
+        piece = piece or ""
+        self.sent += len(piece)
+        return piece
+
+
+class OffsetDecodeStream(_StreamBase):
+    """For tokenizers without a Rust backend: decode a short window of recent ids and send what
+    it has beyond the window's previous text, unless that ends in an incomplete character."""
+
+    def __init__(self, tok: Tokenizer):
+        super().__init__(tok)
+        self._prefix = 0  # window start
+        self._read = 0  # ids whose text was sent
+
+    def step(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self._prefix:self._read])
+        after = self.tok.decode(self.ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        piece = after[len(before):]
+        self.sent += len(piece)
+        return piece
+
+
+class NoTokenizer:
+    """A model served without a tokenizer: ids in, ids out; text is refused."""
+
+    bos_token_id = eos_token_id = None
+    has_chat_template = False
+
+    def __init__(self, source: Path):
+        self.source = source
+
+    def _refuse(self, *_a, **_k):
+        raise NoTokenizerError(f"the model has no tokenizer ({self.source} has none of {', '.join(TOKENIZER_FILES)}; "
+                               "pass --tokenizer DIR, or send token ids)")
+
+    encode = render_chat = apply_chat_template = _refuse
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return ""
+
+    def decode_stream(self) -> "_Silent":
+        return _Silent()
 
 
-def load_tokenizer(model: str | Path):
-    """The tokenizer of a checkpoint directory or of an embedded model name (``tiny``...)."""
+class _Silent:
+    def step(self, token_id: int) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""
+
+
+def _needs_remote_code(path: Path) -> str | None:
+    cfg_path = path / "tokenizer_config.json"
+    if not cfg_path.is_file():
+        return None
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"tokenizer: cannot read {cfg_path}: {e}") from None
+    auto_map = cfg.get("auto_map") or {}
+    ref = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    if isinstance(ref, list):
+        ref = next((r for r in ref if r), None)
+    return ref or None
+
+
+def load_tokenizer(model: str | Path, tokenizer: str | Path | None = None, trust_remote_code: bool = False,
+                   chat_template: str | Path | None = None) -> Tokenizer | NoTokenizer:
+    """The tokenizer of ``tokenizer`` (a directory), else of the checkpoint ``model`` (a directory
+    or an embedded model name such as ``tiny``)."""
     from engine.model.tiny import resolve_model_dir
 
-    path = resolve_model_dir(model) / "tokenizer.json"
-    return HFTokenizer(path) if path.is_file() else ByteTokenizer()
+    if tokenizer is not None:
+        path = Path(tokenizer)
+        if not path.is_dir():
+            raise TokenizerError(f"--tokenizer: {str(tokenizer)!r} is not a directory")
+    else:
+        path = resolve_model_dir(model)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        if tokenizer is not None:
+            raise TokenizerError(f"--tokenizer: {path} has none of {', '.join(TOKENIZER_FILES)}")
+        logger.warning("%s has no tokenizer: text requests will be refused, token ids work", path)
+        return NoTokenizer(path)
+    remote = _needs_remote_code(path)
+    if remote and not trust_remote_code:
+        raise TokenizerError(f"tokenizer: {path / 'tokenizer_config.json'} maps AutoTokenizer to code shipped with "
+                             f"the checkpoint ({remote}); pass --trust-remote-code to run it")
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as e:  # transformers raises many kinds; the message names the cause
+        raise TokenizerError(f"tokenizer: cannot load {path}: {type(e).__name__}: {e}") from None
+    if chat_template is not None:
+        file = Path(chat_template)
+        try:
+            hf.chat_template = file.read_text()
+        except OSError as e:
+            raise TokenizerError(f"--chat-template: cannot read {file}: {e.strerror or e}") from None
+    return Tokenizer(hf, path)
+
+
+def byte_tokenizer_files(vocab_size: int, chat_template: str) -> dict[str, str]:
+    """``tokenizer.json`` and ``tokenizer_config.json`` (as text) of a byte-level BPE tokenizer
+    with the tiny models' ids: 0 <bos>, 1 <eos>, 2 <pad>, 3 + b for byte b, then ``<unused_N>``
+    special tokens up to ``vocab_size``; BOS added to every encoding."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors
+
+    if vocab_size < BYTE_OFFSET + 256:
+        raise ValueError(f"vocab_size: a byte tokenizer needs at least {BYTE_OFFSET + 256} ids, got {vocab_size}")
+    chars = pre_tokenizers.ByteLevel.alphabet()
+    byte_char = _bytes_to_unicode()
+    assert set(byte_char.values()) == set(chars)
+    specials = ["<bos>", "<eos>", "<pad>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({byte_char[b]: BYTE_OFFSET + b for b in range(256)})
+    unused = [f"<unused_{i}>" for i in range(BYTE_OFFSET + 256, vocab_size)]
+    vocab.update({t: BYTE_OFFSET + 256 + k for k, t in enumerate(unused)})
+    tok = RustTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials + unused])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", 0)])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True, "add_eos_token": False,
+              "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "model_max_length": 131072,
+              "clean_up_tokenization_spaces": False, "chat_template": chat_template}
+    return {"tokenizer.json": tok.to_str(pretty=True), "tokenizer_config.json": json.dumps(config, indent=2)}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map (the one ByteLevel pre-tokenizers use)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out

@@ -29,6 +29,7 @@ class _ServiceConfig(BaseModel):
 
     model: str = "tiny"
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: the checkpoint's torch_dtype
+    generation_config: Literal["auto", "none"] = "auto"  # none: generation_config.json's eos ids are not stop ids
     page_size: int = Field(16, ge=1)
     max_cache_tokens: int = Field(1 << 16, ge=1)
     threads_per_rank: int = Field(1, ge=1)
@@ -65,7 +66,8 @@ class PrefillConfig(_ServiceConfig):
         """Arguments of engine.prefill_engine.CPPrefillEngine."""
         return dict(model=self.model, cp=self.cp, strategy=self.strategy, layer_split=self.layer_split,
                     overlap=self.overlap,
-                    dtype=self.dtype, chunk_size=self.chunk_size, page_size=self.page_size,
+                    dtype=self.dtype, generation_config=self.generation_config, chunk_size=self.chunk_size,
+                    page_size=self.page_size,
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.threads_per_rank,
                     kv_transport=self.kv_protocol, kv_host=self.kv_host, prefix_cache=self.prefix_cache)
 
@@ -81,7 +83,8 @@ class DecodeConfig(_ServiceConfig):
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of engine.decode_engine.DCPDecodeEngine (prompts arrive as KV only)."""
         return dict(model=self.model, dcp=self.dcp, exchange=self.dcp_comm, indexer=self.indexer,
-                    replicate_q_proj=self.replicate_q_proj, dtype=self.dtype, page_size=self.page_size,
+                    replicate_q_proj=self.replicate_q_proj, dtype=self.dtype,
+                    generation_config=self.generation_config, page_size=self.page_size,
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.threads_per_rank,
                     reference_prefill=False, kv_transport=self.kv_protocol, kv_host=self.kv_host,
                     lease_s=self.lease_s)
@@ -150,6 +153,13 @@ class RouterConfig(BaseModel):
     rpc_timeout_s: float = Field(5.0, gt=0)  # health, Status and Abort calls
     health_interval_s: float = Field(2.0, gt=0)  # health and Status polling of every service
     default_max_tokens: int = Field(16, ge=1)  # for requests without max_tokens
+    tokenizer: str | None = None  # tokenizer directory (default: the checkpoint's)
+    trust_remote_code: bool = False  # run code a tokenizer ships (auto_map in tokenizer_config.json)
+    chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
+    # auto: generation_config.json's eos ids stop, its temperature/top_p/top_k are request defaults
+    generation_config: Literal["auto", "none"] = "auto"
+    # prompt + max_tokens limit (default: the config's max_position_embeddings, capped by the cache)
+    max_model_len: int | None = Field(None, ge=1)
 
     @property
     def model_name(self) -> str:

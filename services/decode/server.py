@@ -192,6 +192,6 @@ def serve_decode(config: DecodeConfig, engine: DCPDecodeEngine | None = None):
     service, server, port, service_address, shutdown = rpc.serve_engine(
         "decode", engine, lambda on_failure: DecodeService(engine, config, on_failure=on_failure),
         decode_pb2_grpc.add_DecodeServicer_to_server, SERVICE_NAME, config, MAX_WORKERS,
-        f"dcp={config.dcp}, {config.dcp_comm}, {config.indexer} index, model {config.model}")
+        f"dcp={config.dcp}, {config.dcp_comm}, {config.indexer} index, model {config.model}, dtype {engine.dtype}")
     service.address = service_address
     return server, port, shutdown

@@ -154,5 +154,6 @@ def serve_prefill(config: PrefillConfig, engine: CPPrefillEngine | None = None):
     _, server, port, _, shutdown = rpc.serve_engine(
         "prefill", engine, lambda on_failure: PrefillService(engine, config, on_failure=on_failure),
         prefill_pb2_grpc.add_PrefillServicer_to_server, SERVICE_NAME, config, config.max_queue + 16,
-        f"cp={config.cp}, {config.strategy}{', layer split' if config.layer_split else ''}, model {config.model}")
+        f"cp={config.cp}, {config.strategy}{', layer split' if config.layer_split else ''}, model {config.model}, "
+        f"dtype {engine.dtype}")
     return server, port, shutdown

@@ -254,9 +254,9 @@ async def _stream(shape: _Shape, first: TokenDelta | Finished, events: AsyncIter
                     if include_usage:
                         yield _sse(shape.usage_chunk(ev))
                     break
-                if ev.text or shape.ids or is_first:
-                    yield _sse(shape.chunk(ev.text, [ev.id], None, is_first))
-                    is_first = False
+                # one chunk per generated token, its text "" while bytes or a stop prefix are held
+                yield _sse(shape.chunk(ev.text, [ev.id], None, is_first))
+                is_first = False
                 ev = await anext(events, None)
         except BackendError as e:
             err = api_error_of(e)

@@ -63,8 +63,9 @@ class CompletionRunner:
                 async for event in events:
                     if isinstance(event, Done):
                         outcome = "ok"  # set before the yield: the consumer may close us right after it
-                        yield Finished(event.finish_reason, text.flush(), len(req.job.prompt_ids), len(token_times),
-                                       event.cached_tokens)
+                        tail = text.flush()  # a stop string can complete only in the flushed text too
+                        yield Finished("stop" if text.stopped else event.finish_reason, tail, len(req.job.prompt_ids),
+                                       len(token_times), event.cached_tokens)
                         return
                     token_times.append(time.perf_counter())
                     if len(token_times) == 1:

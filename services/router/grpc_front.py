@@ -22,8 +22,8 @@ from services.router.backend import BackendError, Job
 from services.router.completion import CompletionRequest, CompletionRunner, Finished
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Cluster
-from services.router.params import (MAX_STOP_STRINGS, ApiError, ModelContext, check_length, invalid, stop_token_set,
-                                    token_ids)
+from services.router.params import (MAX_STOP_STRINGS, ApiError, ModelContext, check_length, encode_text, invalid,
+                                    stop_token_set, token_ids)
 
 logger = logging.getLogger("cpserve.router")
 
@@ -41,7 +41,7 @@ def parse_generate(msg: router_pb2.GenerateRequest, ctx: ModelContext) -> Comple
     kind = msg.WhichOneof("prompt")
     if kind is None:
         raise invalid("prompt", "is required (text or ids)")
-    ids = ctx.tokenizer.encode(msg.text) if kind == "text" else token_ids(list(msg.ids.ids), "ids", ctx.vocab_size)
+    ids = encode_text(ctx, msg.text, "text") if kind == "text" else token_ids(list(msg.ids.ids), "ids", ctx.vocab_size)
     if not ids:
         raise invalid(kind, "must not be empty")
     s = msg.sampling if msg.HasField("sampling") else common_pb2.Sampling(max_new_tokens=ctx.default_max_tokens)

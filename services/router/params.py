@@ -20,8 +20,11 @@ Parameters accepted only at their neutral value (anything else is a 400 naming t
 ``logit_bias`` (empty), ``suffix`` (null), ``tools`` (empty), ``tool_choice`` ("none"),
 ``response_format`` (``{"type": "text"}``). Any other field is a 400 "unsupported parameter".
 
-Chat template: the engine's tokenizers carry no chat template, so messages are rendered as one
-``"<role>: <content>\\n"`` line each, followed by ``"assistant: "``.
+Chat template: messages (text parts joined into one string) go through the checkpoint's chat
+template (``tokenizer_config.json`` / ``chat_template.jinja``, or ``--chat-template FILE``) with
+the generation prompt added, as transformers' ``apply_chat_template``; a model without one
+answers chat with a 400 that says so. A model without a tokenizer answers text prompts and chat
+with a 400; token-id prompts still work.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class ModelContext:
         cap = self.capacity_tokens()
         if cap is not None and cap < self.max_positions:
             return cap, f"the smallest decode cache ({cap} tokens)"
-        return self.max_positions, f"the model's {self.max_positions} positions"
+        return self.max_positions, f"the maximum model length ({self.max_positions} tokens)"
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ def _prompt_ids(body: dict, ctx: ModelContext) -> list[int]:
             raise invalid("prompt", f"one prompt per request is supported, got {len(p)}", "unsupported_value")
         p = p[0]
     if isinstance(p, str):
-        ids = ctx.tokenizer.encode(p)
+        ids = encode_text(ctx, p, "prompt")
     elif isinstance(p, list):
         ids = token_ids(p, "prompt", ctx.vocab_size)
     else:
@@ -224,11 +227,21 @@ def _prompt_ids(body: dict, ctx: ModelContext) -> list[int]:
 ROLES = ("system", "developer", "user", "assistant")
 
 
-def render_chat(messages: Any) -> str:
-    """The documented template: ``"<role>: <content>\\n"`` per message, then ``"assistant: "``."""
+def encode_text(ctx: ModelContext, text: str, param: str) -> list[int]:
+    """``text``'s ids (BOS included where the tokenizer adds it); a 400 if the model has none."""
+    from engine.model.tokenizer import NoTokenizerError
+
+    try:
+        return ctx.tokenizer.encode(text)
+    except NoTokenizerError as e:
+        raise invalid(param, str(e), "no_tokenizer") from None
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """Validated messages as the chat template takes them: role and content, text parts joined."""
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty list of messages", "invalid_type")
-    lines = []
+    out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -253,8 +266,23 @@ def render_chat(messages: Any) -> str:
         if not isinstance(content, str):
             raise invalid(f"{where}.content", f"must be a string or a list of text parts, got {_kind(content)}",
                           "invalid_type")
-        lines.append(f"{role}: {content}\n")
-    return "".join(lines) + "assistant: "
+        out.append({"role": role, "content": content})
+    return out
+
+
+def chat_prompt_ids(messages: Any, ctx: ModelContext) -> list[int]:
+    """The ids of the conversation rendered with the model's chat template."""
+    from engine.model.tokenizer import NoChatTemplateError, NoTokenizerError
+
+    msgs = chat_messages(messages)
+    try:
+        return ctx.tokenizer.apply_chat_template(msgs)
+    except NoTokenizerError as e:
+        raise invalid("messages", str(e), "no_tokenizer") from None
+    except NoChatTemplateError as e:
+        raise invalid("messages", str(e), "no_chat_template") from None
+    except Exception as e:  # the template's own checks (raise_exception), or a template error
+        raise invalid("messages", f"the chat template rejected the conversation: {e}", "chat_template_error") from None
 
 
 def _stops(body: dict, ctx: ModelContext) -> tuple[tuple[str, ...], list[int]]:
@@ -301,7 +329,7 @@ def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
     if chat:
         if "messages" not in body:
             raise invalid("messages", "is required", "missing_required_parameter")
-        prompt_ids = ctx.tokenizer.encode(render_chat(body["messages"]))
+        prompt_ids = chat_prompt_ids(body["messages"], ctx)
     else:
         prompt_ids = _prompt_ids(body, ctx)
     max_tokens = _max_tokens(body, ctx, chat)

@@ -32,13 +32,21 @@ logger = logging.getLogger("cpserve.router")
 
 
 def model_context(config: RouterConfig, cluster: Cluster) -> ModelContext:
-    from engine.model.config import ModelConfig
+    from engine.model.config import ModelConfig, ModelConfigError
     from engine.model.tokenizer import load_tokenizer
+    from engine.model.tiny import resolve_model_dir
 
-    cfg = ModelConfig.load(config.model)
-    return ModelContext(name=config.model_name, tokenizer=load_tokenizer(config.model),
+    cfg = ModelConfig.from_dir(resolve_model_dir(config.model), config.generation_config)
+    max_len = cfg.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > max_len:
+            raise ModelConfigError(f"max_model_len: {config.max_model_len} is more than the model's "
+                                   f"max_position_embeddings ({max_len})")
+        max_len = config.max_model_len
+    tokenizer = load_tokenizer(config.model, config.tokenizer, config.trust_remote_code, config.chat_template)
+    return ModelContext(name=config.model_name, tokenizer=tokenizer,
                         vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids),
-                        max_positions=cfg.max_position_embeddings, capacity_tokens=cluster.capacity_tokens,
+                        max_positions=max_len, capacity_tokens=cluster.capacity_tokens,
                         default_max_tokens=config.default_max_tokens, sampling_defaults=cfg.sampling_defaults)
 
 

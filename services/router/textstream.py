@@ -2,16 +2,19 @@
 
 Rules (the same for HTTP and gRPC):
 
-- text is held back while it ends in an incomplete UTF-8 character ("\\ufffd" from a partial
-  byte sequence) or in a prefix of some stop string, so a delta never has to be taken back;
+- text is held back while it ends in an incomplete UTF-8 character (the tokenizer's incremental
+  decoder holds those bytes) or in a prefix of some stop string, so a delta never has to be
+  taken back;
 - when a stop string appears, the text ends just before it (the stop string is not sent) and
   the stream finishes with reason "stop";
 - the text of a stop token (a stop id or EOS, ending the stream) is not rendered; its id is
   still reported among the generated ids;
 - at the end, whatever was held back (a stop-string prefix that never completed) is flushed.
 
-The whole output is decoded again for every token (O(n²) characters over a request). Simple and
-exact for every tokenizer; fine for outputs of a few thousand tokens.
+Each token costs O(its text + the longest stop string): the tokenizer's ``decode_stream()``
+turns ids into text incrementally (engine/model/tokenizer.py), and stop strings are searched
+only in the tail that the new text can complete. ``flush`` decodes the whole output once, so the
+streamed text equals the tokenizer's decode of the ids.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from __future__ import annotations
 class TextAssembler:
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), stop_token_ids: frozenset[int] = frozenset()):
         self.tokenizer, self.stop, self.stop_token_ids = tokenizer, stop, stop_token_ids
-        self._ids: list[int] = []  # ids whose text is rendered
-        self._text = ""  # decoded text of _ids
+        self._decoder = tokenizer.decode_stream()
+        self._text = ""  # decoded text of the rendered ids
         self._sent = 0  # characters of _text already handed out
         self.stopped = False  # a stop string was found
 
@@ -31,20 +34,23 @@ class TextAssembler:
             return ""
         if token_id in self.stop_token_ids:
             return ""
-        self._ids.append(token_id)
-        self._text = self.tokenizer.decode(self._ids)
+        self._text += self._decoder.step(token_id)
         cut = self._find_stop()
         if cut is not None:
             self.stopped = True
             return self._take(cut)
-        end = len(self._text)
-        while end > self._sent and self._text[end - 1] == "\ufffd":
-            end -= 1
-        return self._take(min(end, len(self._text) - self._stop_prefix_len()))
+        return self._take(len(self._text) - self._stop_prefix_len())
 
     def flush(self) -> str:
         """Everything not yet sent (at the end of the stream)."""
-        return "" if self.stopped else self._take(len(self._text))
+        if self.stopped:
+            return ""
+        self._text += self._decoder.finish()
+        cut = self._find_stop()
+        if cut is not None:
+            self.stopped = True
+            return self._take(cut)
+        return self._take(len(self._text))
 
     def _take(self, end: int) -> str:
         if end <= self._sent:
