@@ -19,7 +19,7 @@ import torch
 
 from engine.model.sampler import SamplingParams
 from engine.scheduler import Scheduler, Sequence
-from kvtransfer.handoff import ReservationError, new_reservation_id
+from kvtransfer.handoff import BadReservation, NoCapacity, ReservationError, new_reservation_id
 
 
 @dataclass
@@ -45,14 +45,14 @@ class ReservationTable:
     def reserve(self, num_tokens: int, max_new_tokens: int) -> Reservation:
         self.expire()
         if num_tokens < 1:
-            raise ReservationError(f"num_tokens: must be >= 1, got {num_tokens}")
+            raise BadReservation(f"num_tokens: must be >= 1, got {num_tokens}")
         total = num_tokens + max_new_tokens
         need = self.scheduler._pages_for(total)
         if need > self.scheduler.allocator.num_pages:
-            raise ReservationError(f"num_tokens: {total} tokens exceed this decode service's "
+            raise BadReservation(f"num_tokens: {total} tokens exceed this decode service's "
                                    f"{self.scheduler.capacity_tokens}-token cache")
         if not self.scheduler.allocator.can_allocate(need):
-            raise ReservationError("capacity: no free cache rows now; retry later")
+            raise NoCapacity("capacity: no free cache rows now; retry later")
         pages = self.scheduler.allocator.allocate(need)
         r = Reservation(new_reservation_id(), num_tokens, pages,
                         self.scheduler.slots(Sequence(0, [], SamplingParams(), 0, frozenset(), pages=pages), num_tokens),
@@ -78,7 +78,7 @@ class ReservationTable:
                first_token: int) -> Sequence:
         r = self._get(rid, "writing")
         if len(prompt_ids) != r.num_tokens:
-            raise ReservationError(f"prompt: {len(prompt_ids)} tokens, but reservation {rid} holds {r.num_tokens}")
+            raise BadReservation(f"prompt: {len(prompt_ids)} tokens, but reservation {rid} holds {r.num_tokens}")
         del self.active[rid]
         r.state = "committed"
         return self.scheduler.adopt(prompt_ids, params, seed, r.pages, first_token)

@@ -32,6 +32,15 @@ class ReservationError(ValueError):
     """A reservation is unknown, expired or in the wrong state; the message says which."""
 
 
+class NoCapacity(ReservationError):
+    """No free cache rows for the reservation now (it would fit later: retry)."""
+
+
+class BadReservation(ReservationError):
+    """The reservation request itself is wrong: it can never fit the cache, or the prompt's
+    length is not the reserved one (the message names the field)."""
+
+
 def new_reservation_id() -> str:
     return secrets.token_hex(16)
 

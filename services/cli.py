@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 import types
@@ -36,19 +37,40 @@ def _overrides(args: argparse.Namespace, model: type) -> dict:
     return {name: getattr(args, name) for name in model.model_fields}
 
 
+SHUTDOWN_GRACE_S = 8.0  # after SIGTERM/SIGINT, a service that has not stopped by then exits hard
+
+
 def _serve_until_stopped(kind: str, serve, config) -> int:
+    """Start the service, print its address, serve until SIGINT/SIGTERM, then stop it.
+
+    A signal during start-up (a model can take minutes to load) exits at once: nothing is
+    served yet, and the rank processes die with this one (their parent-death signal). After a
+    signal while serving, the shutdown gets SHUTDOWN_GRACE_S seconds, then the process exits
+    anyway — a stop never hangs (`cpserve up` relies on it, see services/up.py)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
+    serving = threading.Event()
+
+    def on_signal(signum, _frame):
+        if not serving.is_set():
+            os._exit(128 + signum)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     _, port, shutdown = serve(config)
+    serving.set()
     from services.common.rpc import address
 
     print(f"serving {kind} on {address(config.host, port)}", flush=True)
     try:
         stop.wait()
     finally:
+        timer = threading.Timer(SHUTDOWN_GRACE_S, lambda: os._exit(1))
+        timer.daemon = True
+        timer.start()
         shutdown()
+        timer.cancel()
     return 0
 
 

@@ -23,6 +23,22 @@ START_TIMEOUT_S = 600  # a real model's load; `--start-timeout-s` overrides
 _SERVING = re.compile(r"serving (\w+) on (\S+)")
 
 
+def _die_with_parent(parent_pid: int):
+    """A preexec_fn: the child gets SIGTERM when this process dies, however it dies (SIGKILL
+    included; Linux's PR_SET_PDEATHSIG), and exits if this process is already gone. The child
+    stops gracefully on SIGTERM, and hard after a grace period (services/cli.py)."""
+    def arm() -> None:
+        if not sys.platform.startswith("linux"):
+            return
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return arm
+
+
 class Child:
     """One service process; its output (start-up included) is echoed with a ``[kind]`` prefix
     unless ``quiet``.
@@ -36,7 +52,11 @@ class Child:
         cmd = command if command is not None else [sys.executable, "-m", "cpserve.cli", "serve", kind, *argv]
         # stdin is a pipe the child may watch: it closes when this process is gone, however it ends
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1, start_new_session=True)
+                                     text=True, bufsize=1, start_new_session=True,
+                                     # the death signal follows the thread that forks: arm it
+                                     # only from the main thread, which lives as long as we do
+                                     preexec_fn=_die_with_parent(os.getpid())
+                                     if threading.current_thread() is threading.main_thread() else None)
         self.address: str | None = None
         self.ready_at = float("nan")  # perf_counter() when the ready line came
         self.lines: list[str] = []

@@ -330,3 +330,60 @@ def test_stream_completion_reports_failures_as_runtime_errors():
             stream_completion(f"127.0.0.1:{server.server_port}", {"model": "tiny", "prompt": "x"})
     finally:
         server.shutdown()
+
+
+def _descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = open(f"/proc/{p}/task/{p}/children").read().split()
+        except OSError:
+            continue
+        for k in map(int, kids):
+            if k not in out:
+                out.add(k)
+                todo.append(k)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_of_cpserve_up_leaves_no_cluster_process():
+    """`kill -9` of `cpserve up`: every service and rank process it started is gone within 10 s
+    (the services get SIGTERM from their parent-death signal, their ranks follow)."""
+    import subprocess
+    import sys
+
+    up = subprocess.Popen([sys.executable, "-m", "cpserve.cli", "up", "--no-demo", "--port", "0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cluster: set[int] = set()
+    try:
+        for line in up.stdout:
+            if "Ctrl-C stops every service" in line:
+                break
+        else:
+            pytest.fail("cpserve up exited before it was ready")
+        cluster = _descendants(up.pid)
+        assert len(cluster) >= 7, cluster  # 3 services + 2 prefill ranks + 2 decode ranks
+        up.kill()
+        up.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in cluster):
+            time.sleep(0.2)
+        assert not [p for p in cluster if _alive(p)], "still alive 10 s after kill -9 of cpserve up"
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for p in cluster:  # whatever survived a failure must not outlive the test
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass

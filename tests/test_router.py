@@ -54,8 +54,9 @@ def reply(job: Job, eos_at: int | None = None, text_ids: list[int] = TEXT_IDS) -
 
 class FakePrefill(PrefillClient):
     def __init__(self, address: str = "p0", fail: BackendError | None = None, eos_at: int | None = None,
-                 text_ids: list[int] = TEXT_IDS):
+                 text_ids: list[int] = TEXT_IDS, cached_tokens: int = 0):
         self.address, self.fail, self.eos_at, self.text_ids = address, fail, eos_at, text_ids
+        self.cached_tokens = cached_tokens
         self.jobs: list[Job] = []
         self.healthy = True
 
@@ -64,7 +65,8 @@ class FakePrefill(PrefillClient):
         assert destination["reservation"]  # the router passes the decode's destination through
         if self.fail:
             raise self.fail
-        return FirstToken(reply(job, self.eos_at, self.text_ids)[0][0], 1234, prefill_ms=3.0, transfer_bytes=1000, transfer_ms=2.0)
+        return FirstToken(reply(job, self.eos_at, self.text_ids)[0][0], 1234, prefill_ms=3.0, transfer_bytes=1000,
+                          transfer_ms=2.0, cached_tokens=self.cached_tokens)
 
     async def status(self, timeout):
         return PrefillLoad(0)
@@ -336,6 +338,16 @@ def test_return_token_ids(start_router):
         [{"role": "user", "content": "x"}])
 
 
+def test_cached_tokens_survive_a_stop_string(start_router):
+    """usage.prompt_tokens_details.cached_tokens is the prefill's figure however the request
+    ends: at its length, or on a stop string (the router ends that stream itself)."""
+    h = start_router(prefills=[FakePrefill(cached_tokens=32)])
+    for extra in ({}, {"stop": ["quick"]}):
+        r = post(h, "/v1/completions", {"prompt": [5] * 40, "max_tokens": 12, **extra}).json()
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 32, (extra, r["usage"])
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["text"] == "The "
+
+
 def test_stop_strings_cut_text_and_cancel_the_decode_stream(start_router):
     decode = FakeDecode()
     h = start_router(decodes=[decode])
@@ -409,8 +421,13 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "user": 7}, 400, "user"),
     ({"prompt": "x" * 64}, 400, "prompt"),  # the fake decode holds 64 tokens
     ({"prompt": "x" * 40, "max_tokens": 30}, 400, "max_tokens"),
+    ({"prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate: no UTF-8 for it (was a 500)
+    ({"prompt": "x", "stop": ["ok", "\udfff"]}, 400, "stop[1]"),
 ]
 BAD_CHAT = [
+    ({"messages": [{"role": "user", "content": "a\udfffb"}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400,
+     "messages[0].content[0].text"),
     ({"max_tokens": 3}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
@@ -435,6 +452,11 @@ def test_bad_requests_are_4xx_naming_the_field_and_the_router_keeps_serving(star
             assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
             if param:
                 assert param in err["message"], err
+    # bodies that crashed a handler or reset the connection: nesting past any sane depth
+    for raw in (b'{"prompt": ' + b"[" * 5000, b"[" * 100_000 + b"]" * 100_000,
+                b'{"prompt": ' + b"[" * 900 + b"5" + b"]" * 900 + b"}"):
+        resp = post(h, "/v1/completions", raw)
+        assert resp.status_code == 400 and "deeper than" in resp.json()["error"]["message"], resp.text[:200]
     err = post(h, "/v1/completions", {"prompt": "x" * 64}).json()["error"]
     assert "64" in err["message"] and err["code"] == "context_length_exceeded"
     assert post(h, "/v1/completions", {"prompt": "x", "model": "gpt-4"}).json()["error"]["code"] == "model_not_found"
@@ -444,7 +466,7 @@ def test_bad_requests_are_4xx_naming_the_field_and_the_router_keeps_serving(star
                                      "top_k": -1, "seed": 3})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == TEXT[:2]
     metrics = get(h, "/metrics").text
-    assert f'cpserve_router_requests_total{{status="invalid"}} {len(BAD_COMPLETIONS) + len(BAD_CHAT) + 2}.0' in metrics
+    assert f'cpserve_router_requests_total{{status="invalid"}} {len(BAD_COMPLETIONS) + len(BAD_CHAT) + 5}.0' in metrics
 
 
 def test_api_key(start_router):

@@ -420,3 +420,15 @@ def test_cli_serve_decode_prints_its_address_and_stops_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_status_codes_come_from_exception_types_not_messages():
+    """A reservation error's code follows its class: a message that merely starts with
+    "capacity" or "prompt:" does not change it."""
+    from kvtransfer.handoff import BadReservation, NoCapacity, ReservationError
+    from services.common.rpc import status_of
+
+    assert status_of(NoCapacity("no rows"))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_of(BadReservation("too long"))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    for wording in ("capacity: looks like a capacity error", "prompt: looks like a bad prompt", "expired"):
+        assert status_of(ReservationError(wording))[0] == grpc.StatusCode.FAILED_PRECONDITION

@@ -1,13 +1,13 @@
 """gRPC helpers shared by the services: server start-up with the standard health service, and
 the one mapping from engine errors to gRPC status codes.
 
-Error mapping (never a stack trace to the client; unexpected errors are logged here and answer
-INTERNAL):
+Error mapping, by exception type only — never by the wording of a message (never a stack trace
+to the client; unexpected errors are logged here and answer INTERNAL):
 
 =========================================  =====================================================
 InvalidRequest, LayoutMismatch, ConfigError  INVALID_ARGUMENT (the message names the field)
-ReservationError "capacity: ..."             RESOURCE_EXHAUSTED (no free rows now; retry)
-ReservationError "num_tokens:/prompt: ..."   INVALID_ARGUMENT (never fits the cache / wrong length)
+NoCapacity (a ReservationError)             RESOURCE_EXHAUSTED (no free rows now; retry)
+BadReservation (a ReservationError)          INVALID_ARGUMENT (never fits the cache / wrong length)
 ReservationError (others)                    FAILED_PRECONDITION (unknown/expired/used reservation)
 QueueFull                                    RESOURCE_EXHAUSTED
 TransferError                                UNAVAILABLE (the message names the peer)
@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.model.sampler import InvalidRequest
 from engine.parallel.group import GroupError
-from kvtransfer.handoff import LayoutMismatch, ReservationError
+from kvtransfer.handoff import BadReservation, LayoutMismatch, NoCapacity, ReservationError
 from kvtransfer.transport import TransferError
 
 logger = logging.getLogger("cpserve.services")
@@ -51,11 +51,11 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, f"destination.fingerprint.{exc.field}: {msg}"
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, msg
+    if isinstance(exc, NoCapacity):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, msg
+    if isinstance(exc, BadReservation):
+        return grpc.StatusCode.INVALID_ARGUMENT, msg
     if isinstance(exc, ReservationError):
-        if msg.startswith("capacity"):
-            return grpc.StatusCode.RESOURCE_EXHAUSTED, msg
-        if msg.startswith(("num_tokens:", "prompt:")):
-            return grpc.StatusCode.INVALID_ARGUMENT, msg
         return grpc.StatusCode.FAILED_PRECONDITION, msg
     if isinstance(exc, QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, msg

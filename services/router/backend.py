@@ -70,6 +70,7 @@ class FirstToken:
 class Token:
     id: int
     index: int  # among generated tokens; the prefill's first is 0
+    cached_tokens: int = 0  # on the first token: prompt tokens the prefill prefix cache held
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class CompletionRunner:
         token_times: list[float] = []
         text = TextAssembler(self.tokenizer, req.stop, req.stop_token_ids)
         outcome = "cancelled"  # unless we get to the end
+        cached = 0  # prompt tokens from the prefill prefix cache (known from the first token)
         self.metrics.in_flight.inc()
         try:
             async with aclosing(self.dispatcher.generate(req.job)) as events:
@@ -67,6 +68,8 @@ class CompletionRunner:
                         yield Finished("stop" if text.stopped else event.finish_reason, tail, len(req.job.prompt_ids),
                                        len(token_times), event.cached_tokens)
                         return
+                    if event.index == 0:
+                        cached = event.cached_tokens
                     token_times.append(time.perf_counter())
                     if len(token_times) == 1:
                         self.metrics.ttft.observe(token_times[0] - start)
@@ -74,7 +77,7 @@ class CompletionRunner:
                     if text.stopped:
                         outcome = "ok"
                         yield delta
-                        yield Finished("stop", "", len(req.job.prompt_ids), len(token_times))
+                        yield Finished("stop", "", len(req.job.prompt_ids), len(token_times), cached)
                         return
                     yield delta
         except BackendError as e:

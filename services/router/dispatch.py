@@ -97,7 +97,7 @@ class Dispatcher:
                       deadline: float) -> AsyncIterator[Token | Done]:
         finished = False
         try:
-            yield Token(first.token, 0)
+            yield Token(first.token, 0, first.cached_tokens)
             events = self.decode_clients[decode.address].generate(job, reservation, first, self._remaining(deadline))
             async with aclosing(events):
                 async for event in events:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -90,16 +91,63 @@ class ParsedRequest:
 
 
 # ---- JSON and typed getters --------------------------------------------------------------
+MAX_JSON_DEPTH = 64  # deeper request bodies are refused before parsing
+_BRACKETS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # strings (skipped) and brackets
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _json_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays/objects in ``raw`` (brackets inside strings ignored)."""
+    depth = deepest = 0
+    for m in _BRACKETS.finditer(raw):
+        c = m.group()
+        if c in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in (b"]", b"}"):
+            depth -= 1
+    return deepest
+
+
+def _unencodable(value: Any, path: str = "") -> str | None:
+    """The path of the first string (or key) in ``value`` that is not valid Unicode text (a lone
+    surrogate from a ``\\udXXX`` escape), else None."""
+    stack = [(value, path)]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, where or "body"))
+                stack.append((x, f"{where}.{k}" if where else str(k)))
+        elif isinstance(v, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
+    return None
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a dict, or a 400: invalid JSON, nesting deeper than MAX_JSON_DEPTH,
+    or text that is not valid Unicode (a lone surrogate), naming where."""
     def no_constants(name: str):
         raise ValueError(f"{name} is not valid JSON")
 
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _json_depth(raw) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels", None,
+                       "invalid_json")
     try:
         body = json.loads(raw, parse_constant=no_constants)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}", None, "invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):  # only an escape can make a lone surrogate; check the strings
+        where = _unencodable(body)
+        if where is not None:
+            raise invalid(where, "is not valid Unicode text (a lone UTF-16 surrogate)", "invalid_text")
     return body
 
 
