@@ -347,6 +347,13 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:120]
+    except OSError:
+        return "?"
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -378,7 +385,9 @@ def test_sigkill_of_cpserve_up_leaves_no_cluster_process():
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(_alive(p) for p in cluster):
             time.sleep(0.2)
-        assert not [p for p in cluster if _alive(p)], "still alive 10 s after kill -9 of cpserve up"
+        left = [p for p in cluster if _alive(p)]
+        print(f"cluster gone {10 - (deadline - time.monotonic()):.1f} s after kill -9")
+        assert not left, f"still alive 10 s after kill -9 of cpserve up: {[_cmdline(p) for p in left]}"
     finally:
         if up.poll() is None:
             up.kill()
