@@ -62,7 +62,8 @@ def _serve_until_stopped(kind: str, serve, config) -> int:
     serving.set()
     from services.common.rpc import address
 
-    print(f"serving {kind} on {address(config.host, port)}", flush=True)
+    host = getattr(config, "advertised_host", config.host)  # engine services: never a wildcard
+    print(f"serving {kind} on {address(host, port)}", flush=True)
     try:
         stop.wait()
     finally:

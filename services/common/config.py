@@ -11,6 +11,8 @@ Errors are :class:`ConfigError` (a ``ValueError``) whose message names the field
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -37,18 +39,41 @@ class _ServiceConfig(BaseModel):
     port: int = Field(0, ge=0, le=65535)  # 0: pick a free port
     kv_protocol: Literal["tcp", "rdma"] = "tcp"
     kv_host: str = "127.0.0.1"  # address the KV transfer engine listens on
-    advertise_host: str | None = None  # address peers use to reach this service (default: host)
+    # address peers use to reach this service (default: host; for a wildcard host, $POD_IP or
+    # this machine's primary address)
+    advertise_host: str | None = None
     max_queue: int = Field(64, ge=1)  # requests waiting for the engine; more → RESOURCE_EXHAUSTED
-
 
     @property
     def advertised_host(self) -> str:
-        """Where peers dial this service: `advertise_host`, else `host` — never a wildcard."""
+        """Where peers dial this service: `advertise_host`, else `host` — never a wildcard: a
+        service bound to 0.0.0.0 / :: advertises :func:`primary_address`."""
         host = self.advertise_host or self.host
-        if host in ("0.0.0.0", "::", ""):
-            raise ValueError("advertise_host: the service binds a wildcard address; set advertise_host to an "
-                             "address its peers can reach")
+        if host in WILDCARDS:
+            return primary_address(ipv6=host == "::")
         return host
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def primary_address(ipv6: bool = False) -> str:
+    """A concrete address of this machine that peers can dial: ``$POD_IP`` (Kubernetes' downward
+    API) if set, else the source address of the default route (a UDP ``connect`` picks it and
+    sends nothing), else loopback (a machine with no route, e.g. a loopback-only namespace)."""
+    pod_ip = os.environ.get("POD_IP", "").strip()
+    if pod_ip:
+        return pod_ip
+    family, probe = (socket.AF_INET6, "2001:db8::1") if ipv6 else (socket.AF_INET, "192.0.2.1")  # documentation nets
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((probe, 9))
+            found = s.getsockname()[0]
+    except OSError:
+        found = ""
+    if found and found not in WILDCARDS:
+        return found
+    return "::1" if ipv6 else "127.0.0.1"
 
 
 class PrefillConfig(_ServiceConfig):
