@@ -88,6 +88,9 @@ class DCPDecodeEngine(Engine):
     def begin_write(self, reservation_id: str) -> None:
         self.reservations.begin_write(reservation_id)
 
+    def end_write(self, reservation_id: str) -> bool:
+        return self.reservations.end_write(reservation_id)
+
     def commit(self, reservation_id: str, prompt_ids: list[int], params, seed: int, first_token: int):
         return self.reservations.commit(reservation_id, prompt_ids, params, seed, first_token)
 

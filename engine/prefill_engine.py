@@ -6,6 +6,8 @@ the same rows, so one numbering serves all) and sends each step plan to the grou
 
 from __future__ import annotations
 
+import logging
+
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -23,6 +25,7 @@ from kvtransfer.plan import plan_transfer, writes_by_rank
 from kvtransfer.transport import TransferError
 
 STRATEGIES = ("interleave", "zigzag")
+logger = logging.getLogger("cpserve.prefill")
 
 
 @dataclass
@@ -33,6 +36,10 @@ class PendingPrefill:
     dest: KvDestination
     before_write: Callable[[], None] | None
     future: Future = field(default_factory=Future)
+    # called once every write this request issued has completed or failed (only if a write was
+    # cleared: before_write returned); decode frees an aborted reservation's rows only then
+    after_write: Callable[[], None] | None = None
+    cleared: bool = False  # before_write returned: writes may have been issued
     transfer_stats: list | None = None
     armed: bool = False  # its KV is pushed layer by layer during the forward (overlap)
     arm_error: Exception | None = None
@@ -71,7 +78,8 @@ class CPPrefillEngine(Engine):
 
     # ---- the KV hand-off (prefill side) --------------------------------------------------
     def submit_prefill(self, prompt_ids: list[int], params: SamplingParams, dest: KvDestination,
-                       before_write: Callable[[], None] | None = None) -> "PendingPrefill":
+                       before_write: Callable[[], None] | None = None,
+                       after_write: Callable[[], None] | None = None) -> "PendingPrefill":
         """Queue a prefill whose KV goes to `dest`. The layout is checked here, before any
         compute. Requests submitted together are prefilled in the same forwards (batched);
         `finish_ready()` after each `step()` hands off the ones whose prompt is done."""
@@ -79,7 +87,7 @@ class CPPrefillEngine(Engine):
         dest.validate_for(len(prompt_ids))
         seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1))
         seq.keep_pages = True
-        pending = PendingPrefill(seq, dest, before_write)
+        pending = PendingPrefill(seq, dest, before_write, after_write=after_write)
         self.pending.append(pending)
         return pending
 
@@ -97,13 +105,24 @@ class CPPrefillEngine(Engine):
                 p.future.set_exception(e)
             finally:
                 self.scheduler.release(p.seq)
+                self._writes_done(p)
         return done
+
+    def _writes_done(self, p: "PendingPrefill") -> None:
+        """Every push for ``p`` has returned (the rank calls are synchronous): say so to decode."""
+        if p.cleared and p.after_write is not None:
+            p.cleared = False
+            try:
+                p.after_write()
+            except Exception:  # noqa: BLE001 — best effort; decode's write lease is the backstop
+                logger.warning("after_write of %s failed", p.dest.reservation_id, exc_info=True)
 
     def cancel_pending(self, pending: "PendingPrefill", reason: str = "abort") -> None:
         if pending in self.pending:
             self.pending.remove(pending)
             self.scheduler.abort(pending.seq)
             self.scheduler.release(pending.seq)
+            self._writes_done(pending)
             pending.future.set_exception(RuntimeError(f"prefill cancelled: {reason}"))
 
     def _plan(self, p: "PendingPrefill", src_slots: list[int]) -> dict:
@@ -126,6 +145,7 @@ class CPPrefillEngine(Engine):
             try:
                 if p.before_write is not None:
                     p.before_write()
+                p.cleared = True
                 armed[it.req_id] = (self._plan(p, it.slots.tolist()), p.dest)
                 p.armed = True
             except Exception as e:  # noqa: BLE001 — reported by finish_ready
@@ -142,6 +162,7 @@ class CPPrefillEngine(Engine):
         else:
             if p.before_write is not None:
                 p.before_write()
+            p.cleared = True
             n = len(p.seq.prompt_ids)
             results = self.group.call("push", self._plan(p, self.scheduler.slots(p.seq, n).tolist()), p.dest)
         p.transfer_stats = self.transfer_stats = results
@@ -150,10 +171,11 @@ class CPPrefillEngine(Engine):
                 raise TransferError(r.get("peer") or "decode", r["error"])
 
     def prefill_to(self, prompt_ids: list[int], params: SamplingParams, dest: KvDestination,
-                   before_write: Callable[[], None] | None = None) -> Sequence:
+                   before_write: Callable[[], None] | None = None,
+                   after_write: Callable[[], None] | None = None) -> Sequence:
         """Prefill one prompt, sample its first token and write its cache into `dest`'s rows
         (see submit_prefill); raises what the hand-off raised."""
-        pending = self.submit_prefill(prompt_ids, params, dest, before_write)
+        pending = self.submit_prefill(prompt_ids, params, dest, before_write, after_write)
         while not pending.future.done():
             self.step()
             self.finish_ready()

@@ -1,17 +1,30 @@
 """Decode-side reservations of cache rows for prompts that a prefill service will write.
 
-Life cycle: reserved → writing → committed, or aborted / expired. Every path returns the rows.
+Life cycle::
+
+    reserved ──begin_write──▶ writing ──end_write──▶ written ──commit──▶ (a running request)
+       │                        │  └──────────────commit───────────────▶
+       └─abort/lapse: freed     └─abort: aborting (quarantined) ──end_write / lapse──▶ freed
 
 - ``reserve`` takes pages for prompt + max_new_tokens from the decode scheduler's allocator and
   starts a lease (``lease_s``): unless a write begins before it ends, the rows go back.
-- ``begin_write`` is the prefill side's last check before it writes: it refuses an unknown,
-  expired or already-used reservation, and otherwise extends the lease to ``write_timeout_s``
-  (a prefill that dies mid-write does not hold rows forever).
-- ``commit`` hands the rows to the scheduler as a running request; ``abort`` returns them.
+- ``begin_write`` is the prefill side's check before it writes: it refuses an unknown,
+  expired, aborted or already-used reservation, and otherwise extends the lease to
+  ``write_timeout_s`` (a prefill that dies mid-write does not hold rows forever).
+- ``end_write`` is the writer's word that it has stopped writing (all its writes completed or
+  failed).
+- ``abort`` returns the rows at once unless a writer may still be writing (state ``writing``):
+  then the rows are quarantined — kept out of the free pool, so no late write of the aborted
+  request can land in rows another request owns — until the writer's ``end_write`` or the
+  write lease lapses.
+- ``commit`` hands the rows to the scheduler as a running request.
+
+Every transition is logged at debug level with the reservation id.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -21,6 +34,8 @@ from engine.model.sampler import SamplingParams
 from engine.scheduler import Scheduler, Sequence
 from kvtransfer.handoff import BadReservation, NoCapacity, ReservationError, new_reservation_id
 
+logger = logging.getLogger("cpserve.reservations")
+
 
 @dataclass
 class Reservation:
@@ -28,7 +43,7 @@ class Reservation:
     num_tokens: int
     pages: list[int]
     slots: torch.Tensor
-    state: str  # reserved | writing | committed | aborted | expired
+    state: str  # reserved | writing | written | aborting (then gone: committed | freed)
     deadline: float  # time.monotonic()
 
     @property
@@ -50,7 +65,7 @@ class ReservationTable:
         need = self.scheduler._pages_for(total)
         if need > self.scheduler.allocator.num_pages:
             raise BadReservation(f"num_tokens: {total} tokens exceed this decode service's "
-                                   f"{self.scheduler.capacity_tokens}-token cache")
+                                 f"{self.scheduler.capacity_tokens}-token cache")
         if not self.scheduler.allocator.can_allocate(need):
             raise NoCapacity("capacity: no free cache rows now; retry later")
         pages = self.scheduler.allocator.allocate(need)
@@ -69,33 +84,64 @@ class ReservationTable:
             raise ReservationError(f"reservation {rid}: is {r.state}, expected {' or '.join(states)}")
         return r
 
+    def _move(self, r: Reservation, state: str) -> None:
+        logger.debug("reservation %s: %s -> %s", r.id, r.state, state)
+        r.state = state
+
+    def _free(self, r: Reservation, why: str) -> None:
+        del self.active[r.id]
+        logger.debug("reservation %s: %s -> freed (%s)", r.id, r.state, why)
+        r.state = "freed"
+        self.scheduler.allocator.free(r.pages)
+
     def begin_write(self, rid: str) -> Reservation:
         r = self._get(rid, "reserved")
-        r.state, r.deadline = "writing", time.monotonic() + self.write_timeout_s
+        self._move(r, "writing")
+        r.deadline = time.monotonic() + self.write_timeout_s
         return r
+
+    def end_write(self, rid: str) -> bool:
+        """The writer has stopped writing ``rid``'s rows. Frees them if the reservation was
+        aborted meanwhile; False if ``rid`` is unknown (already freed: lapsed)."""
+        self.expire()
+        r = self.active.get(rid)
+        if r is None:
+            return False
+        if r.state == "aborting":
+            self._free(r, "aborted, writer done")
+        elif r.state == "writing":
+            self._move(r, "written")
+            r.deadline = time.monotonic() + self.lease_s  # for Generate to commit it
+        return True
 
     def commit(self, rid: str, prompt_ids: list[int], params: SamplingParams, seed: int,
                first_token: int) -> Sequence:
-        r = self._get(rid, "writing")
+        r = self._get(rid, "writing", "written")
         if len(prompt_ids) != r.num_tokens:
             raise BadReservation(f"prompt: {len(prompt_ids)} tokens, but reservation {rid} holds {r.num_tokens}")
         del self.active[rid]
-        r.state = "committed"
+        self._move(r, "committed")
         return self.scheduler.adopt(prompt_ids, params, seed, r.pages, first_token)
 
     def abort(self, rid: str) -> bool:
-        r = self.active.pop(rid, None)
+        """Abort ``rid``: its rows go back now, or once its writer has stopped (quarantine)."""
+        r = self.active.get(rid)
         if r is None:
             return False
-        r.state = "aborted"
-        self.scheduler.allocator.free(r.pages)
+        if r.state == "writing":
+            self._move(r, "aborting")  # rows stay allocated until end_write or the write lease lapses
+        elif r.state != "aborting":
+            self._free(r, "aborted")
         return True
+
+    @property
+    def quarantined(self) -> list[str]:
+        """Aborted reservations whose rows wait for their writer to stop."""
+        return [rid for rid, r in self.active.items() if r.state == "aborting"]
 
     def expire(self) -> list[str]:
         now = time.monotonic()
         lapsed = [rid for rid, r in self.active.items() if r.deadline < now]
         for rid in lapsed:
-            r = self.active.pop(rid)
-            r.state = "expired"
-            self.scheduler.allocator.free(r.pages)
+            self._free(self.active[rid], "lease lapsed")
         return lapsed

@@ -35,7 +35,8 @@ def six_heads(tmp_path_factory):
 
 def hand_off(pre, dec, prompt, params=PARAMS):
     dest = dec.reserve(len(prompt), params.max_new_tokens)
-    seq = pre.prefill_to(prompt, params, dest, before_write=lambda: dec.begin_write(dest.reservation_id))
+    seq = pre.prefill_to(prompt, params, dest, before_write=lambda: dec.begin_write(dest.reservation_id),
+                         after_write=lambda: dec.end_write(dest.reservation_id))
     return dest, dec.commit(dest.reservation_id, prompt, params, seq.seed, seq.output_ids[0])
 
 
@@ -127,9 +128,10 @@ def test_transfer_error_mid_request_frees_everything(pair):
     dec.begin_write(dest.reservation_id)  # at once: this fixture's lease is short
     t0 = time.monotonic()
     with pytest.raises(TransferError) as e:
-        pre.prefill_to(p, PARAMS, bad)
+        pre.prefill_to(p, PARAMS, bad, before_write=lambda: None,  # cleared above
+                       after_write=lambda: dec.end_write(dest.reservation_id))
     assert time.monotonic() - t0 < 5 and bogus.session in str(e.value)
-    assert dec.abort_reservation(dest.reservation_id)
+    assert dec.abort_reservation(dest.reservation_id)  # the writer said it stopped: freed at once
     assert_all_free(pre, dec)
 
 
@@ -190,3 +192,43 @@ def test_layer_wise_overlap_hands_off_exactly(layer_split):
             pre.prefill_to(ps[0], PARAMS, dest, before_write=lambda: dec.begin_write(dest.reservation_id))
         assert pre.allocator.num_free == pre.allocator.num_pages
         assert dec.allocator.num_free == dec.allocator.num_pages
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_while_writing_quarantines_the_rows_until_the_writer_stops(overlap):
+    """The router's abort arrives while prefill writes (after BeginWrite): decode must not hand
+    those rows to another request before the writer says it has stopped (EndWrite), or the
+    late writes land in the other request's rows. Here the cache holds one request, so the next
+    reservation is refused until then; afterwards it gets the rows and decodes exactly."""
+    from kvtransfer.handoff import NoCapacity
+
+    g = torch.Generator().manual_seed(9)
+    a, b = (torch.randint(3, 300, (60,), generator=g).tolist() for _ in range(2))
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=())
+    expected = ReferenceEngine("tiny").generate([b], params)[0].output_ids
+    with CPPrefillEngine("tiny", cp=2, kv_transport="tcp", overlap=overlap, chunk_size=32) as pre, \
+         DCPDecodeEngine("tiny", dcp=2, kv_transport="tcp", reference_prefill=False, max_cache_tokens=96) as dec:
+        dest_a = dec.reserve(len(a), params.max_new_tokens)
+        seen = {}
+
+        def before_write():
+            dec.begin_write(dest_a.reservation_id)
+            assert dec.abort_reservation(dest_a.reservation_id)  # the client went away
+            try:
+                dest_b = dec.reserve(len(b), params.max_new_tokens)
+            except NoCapacity:
+                seen["refused"] = True
+            else:
+                seen["overlap"] = set(dest_b.slots) & set(dest_a.slots)
+                dec.abort_reservation(dest_b.reservation_id)
+
+        pre.prefill_to(a, params, dest_a, before_write=before_write,
+                       after_write=lambda: seen.setdefault("freed", dec.end_write(dest_a.reservation_id)))
+        assert seen.get("refused") or not seen.get("overlap"), seen  # never a's rows while a writes
+        assert seen["freed"] and dec.allocator.num_free == dec.allocator.num_pages  # EndWrite freed them
+        _, seq = hand_off(pre, dec, b, params)
+        while dec.has_work:
+            dec.step()
+        assert seq.output_ids == expected
+        assert dec.allocator.num_free == dec.allocator.num_pages and not dec.reservations.active

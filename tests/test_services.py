@@ -268,6 +268,25 @@ def test_abort_frees_rows(services):
 
 
 @pytest.mark.timeout(60)
+def test_abort_while_writing_waits_for_end_write(services):
+    """After BeginWrite the writer may still be writing: Abort quarantines the rows (not free,
+    not reservable) until the writer's EndWrite; EndWrite of an unknown reservation is a no-op."""
+    full = list(services.wait_rows_free().rows_free)
+    dest = services.reserve(100, 50)
+    ref = decode_pb2.ReservationRef(reservation_id=dest.reservation_id)
+    services.decode.BeginWrite(ref, timeout=RPC_S)
+    assert services.decode.Abort(ref, timeout=RPC_S).freed
+    s = services.status()
+    assert s.reservations == 1 and list(s.rows_free) != full  # quarantined, not back in the pool
+    code, _ = code_and_details(lambda: services.decode.BeginWrite(ref, timeout=RPC_S))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION  # no new write into an aborted reservation
+    assert services.decode.EndWrite(ref, timeout=RPC_S).found
+    s = services.status()
+    assert list(s.rows_free) == full and s.reservations == 0
+    assert not services.decode.EndWrite(ref, timeout=RPC_S).found
+
+
+@pytest.mark.timeout(60)
 def test_full_cache_is_resource_exhausted(services):
     held = services.reserve(4000, 100)  # 129 of the 256 pages (32 tokens each at dcp 2)
     try:

@@ -131,19 +131,23 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         logger.debug("decode: reserved %s for request %r", dest.reservation_id, request.request_id)
         return destination_to_proto(dest, self.address)
 
-    def BeginWrite(self, request, context):
+    def _on_loop(self, context, fn):
+        """``fn(engine)`` on the engine thread; its error becomes the call's gRPC status."""
         try:
-            self.loop.call(lambda e: e.begin_write(request.reservation_id))
+            return self.loop.call(fn)
         except Exception as e:
             rpc.abort(context, e)
+
+    def BeginWrite(self, request, context):
+        self._on_loop(context, lambda e: e.begin_write(request.reservation_id))
         return decode_pb2.BeginWriteResponse()
 
+    def EndWrite(self, request, context):
+        return decode_pb2.EndWriteResponse(found=self._on_loop(context, lambda e: e.end_write(request.reservation_id)))
+
     def Abort(self, request, context):
-        try:
-            freed = self.loop.call(lambda e: e.abort_reservation(request.reservation_id))
-        except Exception as e:
-            rpc.abort(context, e)
-        return decode_pb2.AbortResponse(freed=freed)
+        return decode_pb2.AbortResponse(freed=self._on_loop(context,
+                                                            lambda e: e.abort_reservation(request.reservation_id)))
 
     def Generate(self, request, context):
         events: queue.SimpleQueue = queue.SimpleQueue()

@@ -63,6 +63,20 @@ class DecodePeers:
                 raise ReservationError(f"BeginWrite refused by decode {address}: {e.details()}") from None
             raise TransferError(address, f"BeginWrite: {e.code().name}: {e.details()}") from None
 
+    def end_write(self, address: str, reservation_id: str) -> None:
+        """Tell decode that every write for ``reservation_id`` has completed or failed (it frees
+        the rows of an aborted reservation only then). Best effort: if decode cannot be told,
+        its write lease frees them."""
+        channel = self.channels.get(address)
+        if channel is None:
+            return  # no BeginWrite went to it: nothing was written
+        try:
+            decode_pb2_grpc.DecodeStub(channel).EndWrite(decode_pb2.ReservationRef(reservation_id=reservation_id),
+                                                         timeout=BEGIN_WRITE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            logger.warning("EndWrite of %s to decode %s failed (%s: %s); its write lease will free the rows",
+                           reservation_id, address, e.code().name, e.details())
+
     def close(self) -> None:
         for channel in self.channels.values():
             channel.close()
@@ -105,7 +119,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             self.peers.begin_write(address, dest.reservation_id)
             marks.append(time.perf_counter())
 
-        pending = engine.submit_prefill(prompt, params, dest, before_write=before_write)
+        def after_write() -> None:
+            self.peers.end_write(address, dest.reservation_id)
+
+        pending = engine.submit_prefill(prompt, params, dest, before_write=before_write, after_write=after_write)
         pending.marks = marks
         return pending
 

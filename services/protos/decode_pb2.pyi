@@ -49,6 +49,12 @@ class BeginWriteResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class EndWriteResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("reservation_id", "prompt_ids", "sampling", "seed", "first_token")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,11 @@ class DecodeStub:
                 request_serializer=decode__pb2.ReservationRef.SerializeToString,
                 response_deserializer=decode__pb2.BeginWriteResponse.FromString,
                 _registered_method=True)
+        self.EndWrite = channel.unary_unary(
+                '/cpserve.decode.Decode/EndWrite',
+                request_serializer=decode__pb2.ReservationRef.SerializeToString,
+                response_deserializer=decode__pb2.EndWriteResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/cpserve.decode.Decode/Generate',
                 request_serializer=decode__pb2.GenerateRequest.SerializeToString,
@@ -76,6 +81,14 @@ class DecodeServicer:
 
     def BeginWrite(self, request, context):
         """Errors: FAILED_PRECONDITION (unknown, expired or already used reservation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndWrite(self, request, context):
+        """The writer's word that every write it issued for the reservation has completed or failed.
+        Frees the rows of an aborted reservation; a no-op for an unknown one (found = false).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +127,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.BeginWrite,
                     request_deserializer=decode__pb2.ReservationRef.FromString,
                     response_serializer=decode__pb2.BeginWriteResponse.SerializeToString,
+            ),
+            'EndWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndWrite,
+                    request_deserializer=decode__pb2.ReservationRef.FromString,
+                    response_serializer=decode__pb2.EndWriteResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -185,6 +203,33 @@ class Decode:
             '/cpserve.decode.Decode/BeginWrite',
             decode__pb2.ReservationRef.SerializeToString,
             decode__pb2.BeginWriteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpserve.decode.Decode/EndWrite',
+            decode__pb2.ReservationRef.SerializeToString,
+            decode__pb2.EndWriteResponse.FromString,
             options,
             channel_credentials,
             insecure,
