@@ -53,6 +53,7 @@ class DCPDecodeEngine(Engine):
                  max_cache_tokens: int = 1 << 16, chunk_size: int = 4096, threads_per_rank: int = 1,
                  record_logits: bool = False, trace: bool = False, reference_prefill: bool = True,
                  kv_transport: str | None = None, kv_host: str = "127.0.0.1", lease_s: float = 30.0,
+                 write_lease_s: float = 60.0,
                  generation_config: str = "auto"):
         from engine.model.config import ModelConfig
 
@@ -73,7 +74,7 @@ class DCPDecodeEngine(Engine):
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, dcp, record_logits),
                          DCPRunner(self.group, prefill, trace))
         self.dcp, self.dtype, self.index_mode, self.page_size = dcp, dtype, indexer, page_size
-        self.reservations = ReservationTable(self.scheduler, lease_s)
+        self.reservations = ReservationTable(self.scheduler, lease_s, write_lease_s)
         self.endpoints = tuple(self.group.call("endpoint")) if kv_transport else ()
 
     # ---- the KV hand-off (decode side) ---------------------------------------------------
@@ -85,8 +86,10 @@ class DCPDecodeEngine(Engine):
         return KvDestination(r.id, self.dcp, self.page_size, self.index_mode, tuple(r.slots.tolist()), 0,
                              self.endpoints, layout_fingerprint(self.cfg, self.dtype), r.expires_at)
 
-    def begin_write(self, reservation_id: str) -> None:
+    def begin_write(self, reservation_id: str) -> float:
+        """Claim or renew the write lease; returns its length in seconds."""
         self.reservations.begin_write(reservation_id)
+        return self.reservations.write_timeout_s
 
     def end_write(self, reservation_id: str) -> bool:
         return self.reservations.end_write(reservation_id)

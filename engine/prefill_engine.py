@@ -7,6 +7,7 @@ the same rows, so one numbering serves all) and sends each step plan to the grou
 from __future__ import annotations
 
 import logging
+import time
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -39,7 +40,12 @@ class PendingPrefill:
     # called once every write this request issued has completed or failed (only if a write was
     # cleared: before_write returned); decode frees an aborted reservation's rows only then
     after_write: Callable[[], None] | None = None
-    cleared: bool = False  # before_write returned: writes may have been issued
+    cleared: bool = False  # the rows are claimed (or before_write returned): after_write is owed
+    # the write lease's heartbeat, called between steps every renew_every_s while the prompt is
+    # computed; if it raises, the request is cancelled and nothing is written
+    renew: Callable[[], None] | None = None
+    renew_every_s: float = 10.0
+    renewed_at: float = field(default_factory=time.monotonic)
     transfer_stats: list | None = None
     armed: bool = False  # its KV is pushed layer by layer during the forward (overlap)
     arm_error: Exception | None = None
@@ -117,13 +123,28 @@ class CPPrefillEngine(Engine):
             except Exception:  # noqa: BLE001 — best effort; decode's write lease is the backstop
                 logger.warning("after_write of %s failed", p.dest.reservation_id, exc_info=True)
 
-    def cancel_pending(self, pending: "PendingPrefill", reason: str = "abort") -> None:
+    def cancel_pending(self, pending: "PendingPrefill", reason: str = "abort",
+                       error: Exception | None = None) -> None:
         if pending in self.pending:
             self.pending.remove(pending)
             self.scheduler.abort(pending.seq)
             self.scheduler.release(pending.seq)
             self._writes_done(pending)
-            pending.future.set_exception(RuntimeError(f"prefill cancelled: {reason}"))
+            pending.future.set_exception(error or RuntimeError(f"prefill cancelled: {reason}"))
+
+    def renew_leases(self) -> None:
+        """Between steps: renew the write lease of every pending prefill that is due. One whose
+        renewal is refused (decode aborted it, or its lease lapsed) is cancelled at once: its
+        compute stops here, between chunks, and nothing of it is written."""
+        now = time.monotonic()
+        for p in list(self.pending):
+            if p.renew is None or now - p.renewed_at < p.renew_every_s:
+                continue
+            try:
+                p.renew()
+                p.renewed_at = time.monotonic()
+            except Exception as e:  # noqa: BLE001 — delivered to the request's caller
+                self.cancel_pending(p, error=e)
 
     def _plan(self, p: "PendingPrefill", src_slots: list[int]) -> dict:
         n, dest = len(p.seq.prompt_ids), p.dest

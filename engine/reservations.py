@@ -8,9 +8,11 @@ Life cycle::
 
 - ``reserve`` takes pages for prompt + max_new_tokens from the decode scheduler's allocator and
   starts a lease (``lease_s``): unless a write begins before it ends, the rows go back.
-- ``begin_write`` is the prefill side's check before it writes: it refuses an unknown,
-  expired, aborted or already-used reservation, and otherwise extends the lease to
-  ``write_timeout_s`` (a prefill that dies mid-write does not hold rows forever).
+- ``begin_write`` claims the rows when the prefill group starts the request and, called again,
+  is its heartbeat (per chunk, and right before it writes): each call runs the write lease to
+  ``write_timeout_s`` from now, so a long prefill keeps its rows while a stalled or dead writer
+  loses them. It refuses an unknown, lapsed, aborted or already-written reservation, and the
+  writer then writes nothing.
 - ``end_write`` is the writer's word that it has stopped writing (all its writes completed or
   failed).
 - ``abort`` returns the rows at once unless a writer may still be writing (state ``writing``):
@@ -95,8 +97,12 @@ class ReservationTable:
         self.scheduler.allocator.free(r.pages)
 
     def begin_write(self, rid: str) -> Reservation:
-        r = self._get(rid, "reserved")
-        self._move(r, "writing")
+        """Claim the rows for writing, or — called again while writing — renew the write lease
+        (the writer's heartbeat). Refused for an unknown, lapsed, aborted or finished one: a
+        writer that gets a refusal must not write."""
+        r = self._get(rid, "reserved", "writing")
+        if r.state == "reserved":
+            self._move(r, "writing")
         r.deadline = time.monotonic() + self.write_timeout_s
         return r
 

@@ -232,3 +232,50 @@ def test_abort_while_writing_quarantines_the_rows_until_the_writer_stops(overlap
             dec.step()
         assert seq.output_ids == expected
         assert dec.allocator.num_free == dec.allocator.num_pages and not dec.reservations.active
+
+
+@pytest.mark.timeout(300)
+def test_write_lease_is_renewed_per_chunk_and_a_stalled_writer_is_cut_off():
+    """The rows are claimed when prefill starts and the lease is renewed between chunks: a
+    prefill that takes longer than the lease keeps its rows and hands off exactly. A writer
+    that stops renewing loses them: its next renewal is refused, its compute stops, nothing
+    is written and every row is free again."""
+    g = torch.Generator().manual_seed(12)
+    p = torch.randint(3, 300, (320,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=())
+    expected = ReferenceEngine("tiny").generate([p], params)[0].output_ids
+    with CPPrefillEngine("tiny", cp=2, kv_transport="tcp", chunk_size=32) as pre, \
+         DCPDecodeEngine("tiny", dcp=2, kv_transport="tcp", reference_prefill=False, lease_s=0.5,
+                         write_lease_s=1.0) as dec:
+        def start(dest):
+            rid = dest.reservation_id
+            dec.begin_write(rid)  # claimed as the group starts the request
+            pending = pre.submit_prefill(p, params, dest, before_write=lambda: dec.begin_write(rid),
+                                         after_write=lambda: dec.end_write(rid))
+            pending.cleared, pending.renew, pending.renew_every_s = True, lambda: dec.begin_write(rid), 0.2
+            return pending
+
+        dest = dec.reserve(len(p), params.max_new_tokens)
+        pending = start(dest)
+        t0 = time.monotonic()
+        while not pending.future.done():
+            pre.renew_leases()
+            if pre.has_work:
+                pre.step()
+            time.sleep(0.15)  # a slow prefill: ten chunks take well over the 1 s lease
+            pre.finish_ready()
+        assert time.monotonic() - t0 > 1.5
+        seq = dec.commit(dest.reservation_id, p, params, pending.seq.seed, pending.future.result().output_ids[0])
+        while dec.has_work:
+            dec.step()
+        assert seq.output_ids == expected
+
+        dest = dec.reserve(len(p), params.max_new_tokens)
+        pending = start(dest)
+        pre.step()  # one chunk, then the writer stalls past its lease
+        time.sleep(1.3)
+        pre.renew_leases()
+        with pytest.raises(ReservationError, match="unknown or expired"):
+            pending.future.result(timeout=1)
+        assert not pre.has_work and pre.allocator.num_free == pre.allocator.num_pages
+        assert_all_free(pre, dec)

@@ -103,6 +103,8 @@ class DecodeConfig(_ServiceConfig):
     indexer: Literal["copied", "split"] = "copied"
     replicate_q_proj: bool = False
     lease_s: float = Field(30.0, gt=0)  # a reservation lapses unless BeginWrite comes within this
+    # a write lapses (rows freed) unless the writer renews it (BeginWrite per chunk) within this
+    write_lease_s: float = Field(60.0, gt=0)
 
     @property
     def engine_kwargs(self) -> dict[str, Any]:
@@ -112,7 +114,7 @@ class DecodeConfig(_ServiceConfig):
                     generation_config=self.generation_config, page_size=self.page_size,
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.threads_per_rank,
                     reference_prefill=False, kv_transport=self.kv_protocol, kv_host=self.kv_host,
-                    lease_s=self.lease_s)
+                    lease_s=self.lease_s, write_lease_s=self.write_lease_s)
 
 
 SECTIONS: dict[str, type[_ServiceConfig]] = {"prefill": PrefillConfig, "decode": DecodeConfig}

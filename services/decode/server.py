@@ -139,8 +139,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             rpc.abort(context, e)
 
     def BeginWrite(self, request, context):
-        self._on_loop(context, lambda e: e.begin_write(request.reservation_id))
-        return decode_pb2.BeginWriteResponse()
+        return decode_pb2.BeginWriteResponse(lease_s=self._on_loop(context,
+                                                                   lambda e: e.begin_write(request.reservation_id)))
 
     def EndWrite(self, request, context):
         return decode_pb2.EndWriteResponse(found=self._on_loop(context, lambda e: e.end_write(request.reservation_id)))

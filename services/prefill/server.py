@@ -51,13 +51,16 @@ class DecodePeers:
     def __init__(self):
         self.channels: dict[str, grpc.Channel] = {}
 
-    def begin_write(self, address: str, reservation_id: str) -> None:
+    def begin_write(self, address: str, reservation_id: str) -> float:
+        """Claim (or renew) the write lease of ``reservation_id`` on decode ``address``; returns
+        the lease in seconds. A refusal is a ReservationError: write nothing."""
         channel = self.channels.get(address)
         if channel is None:
             channel = self.channels[address] = grpc.insecure_channel(address, options=rpc.CHANNEL_OPTIONS)
         stub = decode_pb2_grpc.DecodeStub(channel)
         try:
-            stub.BeginWrite(decode_pb2.ReservationRef(reservation_id=reservation_id), timeout=BEGIN_WRITE_TIMEOUT_S)
+            return stub.BeginWrite(decode_pb2.ReservationRef(reservation_id=reservation_id),
+                                   timeout=BEGIN_WRITE_TIMEOUT_S).lease_s
         except grpc.RpcError as e:
             if e.code() in _REFUSALS:
                 raise ReservationError(f"BeginWrite refused by decode {address}: {e.details()}") from None
@@ -84,8 +87,11 @@ class DecodePeers:
 
 
 def _tick(engine: CPPrefillEngine) -> None:
-    """One forward over every queued prefill (batched by the scheduler), then the hand-offs."""
-    engine.step()
+    """The write-lease heartbeats that are due, one forward over every queued prefill (batched
+    by the scheduler), then the hand-offs."""
+    engine.renew_leases()
+    if engine.has_work:
+        engine.step()
     engine.finish_ready()
 
 
@@ -113,16 +119,31 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if not is_active():
             raise ReservationError("the client went away before its prefill started")
         marks: list[float] = []
+        rid = dest.reservation_id
+        # Claim the rows now, as the group starts the request (not after its compute): the
+        # lease is then renewed per chunk (renew) and right before the write (before_write).
+        lease_s = self.peers.begin_write(address, rid) or 60.0
+
+        def renew() -> None:
+            if not is_active():
+                raise ReservationError("the client went away during its prefill")
+            self.peers.begin_write(address, rid)
 
         def before_write() -> None:
             marks.append(time.perf_counter())
-            self.peers.begin_write(address, dest.reservation_id)
+            self.peers.begin_write(address, rid)
             marks.append(time.perf_counter())
 
         def after_write() -> None:
-            self.peers.end_write(address, dest.reservation_id)
+            self.peers.end_write(address, rid)
 
-        pending = engine.submit_prefill(prompt, params, dest, before_write=before_write, after_write=after_write)
+        try:
+            pending = engine.submit_prefill(prompt, params, dest, before_write=before_write, after_write=after_write)
+        except BaseException:
+            after_write()  # claimed, nothing written: decode may free the rows
+            raise
+        pending.cleared = True  # claimed: EndWrite is owed however the request ends
+        pending.renew, pending.renew_every_s = renew, lease_s / 4
         pending.marks = marks
         return pending
 

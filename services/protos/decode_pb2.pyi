@@ -46,8 +46,10 @@ class ReservationRef(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ...) -> None: ...
 
 class BeginWriteResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("lease_s",)
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    lease_s: float
+    def __init__(self, lease_s: _Optional[float] = ...) -> None: ...
 
 class EndWriteResponse(_message.Message):
     __slots__ = ("found",)

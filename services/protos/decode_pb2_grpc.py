@@ -80,7 +80,8 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BeginWrite(self, request, context):
-        """Errors: FAILED_PRECONDITION (unknown, expired or already used reservation).
+        """Claims the rows for writing; called again, renews the write lease (the writer's heartbeat).
+        Errors: FAILED_PRECONDITION (unknown, lapsed, aborted or already written reservation).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
