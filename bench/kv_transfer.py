@@ -369,7 +369,9 @@ def measure_overlap(lengths: list[int], repeats: int) -> list[dict]:
                 for ov in (False, True):
                     dest = dec.reserve(n, 1)
                     t0 = time.perf_counter()
-                    engines[ov].prefill_to(prompt, params, dest, before_write=lambda: dec.begin_write(dest.reservation_id))
+                    rid = dest.reservation_id
+                    engines[ov].prefill_to(prompt, params, dest, before_write=lambda: dec.begin_write(rid),
+                                           after_write=lambda: dec.end_write(rid))
                     best[ov] = min(best[ov], time.perf_counter() - t0)
                     dec.abort_reservation(dest.reservation_id)
             out.append({"tokens": n, "ttft_s_sequential": best[False], "ttft_s_overlap": best[True],
