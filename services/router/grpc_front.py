@@ -15,6 +15,7 @@ import uuid
 from contextlib import aclosing
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.protos import common_pb2, router_pb2, router_pb2_grpc
@@ -82,6 +83,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or incorrect API key "
                                                                  "(metadata 'authorization: Bearer <key>')")
         try:
+            if isinstance(request, Malformed):
+                raise invalid("request", f"is not a valid cpserve.router.GenerateRequest ({request.error})",
+                              "invalid_message")
             req = parse_generate(request, self.ctx)
         except ApiError as e:
             self.metrics.requests.labels("invalid").inc()
@@ -105,12 +109,35 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 code=_STREAM_ERROR.get(e.code, router_pb2.ERROR_CODE_INTERNAL), message=str(e)))
 
 
+class Malformed:
+    """A request whose bytes are not a GenerateRequest (the handler answers INVALID_ARGUMENT)."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _lenient_parse(raw: bytes):
+    try:
+        return router_pb2.GenerateRequest.FromString(raw)
+    except DecodeError as e:
+        return Malformed(str(e))
+
+
+def add_router_servicer(servicer: RouterServicer, server) -> None:
+    """router_pb2_grpc.add_RouterServicer_to_server, except that a request that does not parse
+    reaches the handler as :class:`Malformed` (→ INVALID_ARGUMENT) instead of gRPC's UNKNOWN."""
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=_lenient_parse,
+        response_serializer=router_pb2.GenerateEvent.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("cpserve.router.Router", handlers),))
+
+
 class GrpcFront:
     """The router's grpc.aio server (Router + health)."""
 
     def __init__(self, servicer: RouterServicer, host: str, port: int):
         self.server = grpc.aio.server()
-        router_pb2_grpc.add_RouterServicer_to_server(servicer, self.server)
+        add_router_servicer(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -122,8 +122,9 @@ def _unencodable(value: Any, path: str = "") -> str | None:
                 return where or "body"
         elif isinstance(v, dict):
             for k, x in v.items():
+                name = k.encode("utf-8", "backslashreplace").decode() if isinstance(k, str) else str(k)
                 stack.append((k, where or "body"))
-                stack.append((x, f"{where}.{k}" if where else str(k)))
+                stack.append((x, f"{where}.{name}" if where else name))  # the path itself stays printable
         elif isinstance(v, list):
             stack.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
     return None
