@@ -140,11 +140,6 @@ class ReservationTable:
             self._free(r, "aborted")
         return True
 
-    @property
-    def quarantined(self) -> list[str]:
-        """Aborted reservations whose rows wait for their writer to stop."""
-        return [rid for rid, r in self.active.items() if r.state == "aborting"]
-
     def expire(self) -> list[str]:
         now = time.monotonic()
         lapsed = [rid for rid, r in self.active.items() if r.deadline < now]

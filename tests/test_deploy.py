@@ -878,7 +878,6 @@ def test_dockerfile_default_command_starts_and_serves():
     interface), the demo goes through, and a request is served."""
     import signal
     import socket
-    import time
 
     import httpx
 

@@ -144,7 +144,6 @@ def test_readme_release_commands_work_as_written(release):
     import subprocess
     import sys
     import threading
-    import time
 
     path, _, _ = release
     with socket.socket() as s:

@@ -283,11 +283,11 @@ class ModelConfig:
                        sampling_defaults=tuple(defaults))
 
     @classmethod
-    def load(cls, model: str | Path) -> "ModelConfig":
+    def load(cls, model: str | Path, generation_config: str = "auto") -> "ModelConfig":
         """`model` is a checkpoint directory or ``"tiny"`` (the embedded model)."""
         from engine.model.tiny import resolve_model_dir
 
-        return cls.from_dir(resolve_model_dir(model))
+        return cls.from_dir(resolve_model_dir(model), generation_config)
 
 
 # config value → the values this code implements (None in the file means the default, which is

@@ -59,9 +59,6 @@ class Tokenizer:
         self.eos_token_id: int | None = hf.eos_token_id
         self._backend = getattr(hf, "backend_tokenizer", None)  # a tokenizers.Tokenizer for fast ones
 
-    def __len__(self) -> int:
-        return len(self.hf)
-
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with the tokenizer's special tokens (BOS where it adds one)."""
         return list(self.hf.encode(text, add_special_tokens=True))

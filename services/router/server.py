@@ -34,9 +34,8 @@ logger = logging.getLogger("cpserve.router")
 def model_context(config: RouterConfig, cluster: Cluster) -> ModelContext:
     from engine.model.config import ModelConfig, ModelConfigError
     from engine.model.tokenizer import load_tokenizer
-    from engine.model.tiny import resolve_model_dir
 
-    cfg = ModelConfig.from_dir(resolve_model_dir(config.model), config.generation_config)
+    cfg = ModelConfig.load(config.model, config.generation_config)
     max_len = cfg.max_position_embeddings
     if config.max_model_len is not None:
         if config.max_model_len > max_len:
