@@ -45,6 +45,8 @@ class PendingPrefill:
     # computed; if it raises, the request is cancelled and nothing is written
     renew: Callable[[], None] | None = None
     renew_every_s: float = 10.0
+    # checked between every two steps: False (the client went away) cancels the request there
+    is_active: Callable[[], bool] | None = None
     renewed_at: float = field(default_factory=time.monotonic)
     transfer_stats: list | None = None
     armed: bool = False  # its KV is pushed layer by layer during the forward (overlap)
@@ -133,11 +135,15 @@ class CPPrefillEngine(Engine):
             pending.future.set_exception(error or RuntimeError(f"prefill cancelled: {reason}"))
 
     def renew_leases(self) -> None:
-        """Between steps: renew the write lease of every pending prefill that is due. One whose
-        renewal is refused (decode aborted it, or its lease lapsed) is cancelled at once: its
-        compute stops here, between chunks, and nothing of it is written."""
+        """Between steps: cancel every pending prefill whose client went away, and renew the
+        write lease of every one that is due. One whose renewal is refused (decode aborted it,
+        or its lease lapsed) is cancelled at once too: its compute stops here, between chunks,
+        and nothing of it is written."""
         now = time.monotonic()
         for p in list(self.pending):
+            if p.is_active is not None and not p.is_active():
+                self.cancel_pending(p, "the client went away")
+                continue
             if p.renew is None or now - p.renewed_at < p.renew_every_s:
                 continue
             try:

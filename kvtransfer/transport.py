@@ -70,6 +70,8 @@ import threading
 
 import torch
 
+from engine.faults import faults
+
 __all__ = [
     "KVTransferError",
     "TransferError",
@@ -250,6 +252,11 @@ class MooncakeTransport(KVTransport):
                         f"source range [{src:#x}, +{length}) is not inside memory registered "
                         f"with this engine ({self._session})")
         engine = self._open_engine()
+        if faults().write_fails():  # injected (stress tests): half the ranges land, then a failure
+            half = len(lengths) // 2
+            if half:
+                engine.batch_transfer_sync_write(peer_session, src_ptrs[:half], dst_ptrs[:half], lengths[:half])
+            raise TransferError(peer_session, f"injected write failure ({len(lengths)} ranges, {half} written)")
         # Mooncake's TCP transport refuses (rc -1) batches over ~2048 ranges to one peer
         # (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER), so long batches go in slices.
         for i in range(0, len(lengths), MAX_RANGES_PER_BATCH):

@@ -122,14 +122,11 @@ def _addresses(values: list[str] | None) -> tuple[str, ...] | None:
 
 
 def run_serve_router(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
-    import os
-
     from services.common.config import RouterConfig
     from services.router.server import serve_router
 
     overrides = {name: getattr(args, name, None) for name in RouterConfig.model_fields}
-    overrides.update(prefill=_addresses(args.prefill), decode=_addresses(args.decode),
-                     api_key=args.api_key or os.environ.get("CPSERVE_API_KEY") or None)
+    overrides.update(prefill=_addresses(args.prefill), decode=_addresses(args.decode))
     config = load_config("router", args.config, overrides)
     if args.no_grpc:
         config = config.model_copy(update={"grpc_port": None})
@@ -139,6 +136,17 @@ def run_serve_router(args: argparse.Namespace, parser: argparse.ArgumentParser |
         return handle, handle.http_port, handle.shutdown
 
     return _serve_until_stopped("router", serve, config)
+
+
+def add_internal_plane_args(p: argparse.ArgumentParser) -> None:
+    """Credentials of internal gRPC (services/common/security.py); the router's and `cpserve up`'s
+    (the prefill and decode commands get the same flags from their config's fields)."""
+    p.add_argument("--internal-token-file", default=None,
+                   help="file holding the shared token of internal RPCs (or set $CPSERVE_INTERNAL_TOKEN)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: internal gRPC over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM CA: verify peers with it; servers then require client "
+                                                  "certificates (mutual TLS)")
 
 
 def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
@@ -172,7 +180,11 @@ def build_parser_serve_router(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 0: a free one)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 0: a free one)")
     p.add_argument("--no-grpc", action="store_true", help="no gRPC front")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set CPSERVE_API_KEY)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (better: $CPSERVE_API_KEY or --api-key-file, which "
+                        "do not show in ps)")
+    p.add_argument("--api-key-file", default=None, help="file holding the API key")
+    add_internal_plane_args(p)
     p.add_argument("--max-retries", type=int, default=None, help="other pairs tried before the first token (2)")
     p.add_argument("--request-timeout-s", type=float, default=None, help="per request (600)")
     p.add_argument("--rpc-timeout-s", type=float, default=None, help="health/Status/Abort calls (5)")

@@ -47,12 +47,14 @@ class Child:
     ``cpserve serve <kind> <argv>`` (e.g. a benchmark's own server mode).
     """
 
-    def __init__(self, kind: str, argv: list[str], quiet: bool = False, command: list[str] | None = None):
+    def __init__(self, kind: str, argv: list[str], quiet: bool = False, command: list[str] | None = None,
+                 env: dict[str, str] | None = None):
         self.kind, self.quiet = kind, quiet
+        self.env = env if env is not None else dict(os.environ)
         cmd = command if command is not None else [sys.executable, "-m", "cpserve.cli", "serve", kind, *argv]
         # stdin is a pipe the child may watch: it closes when this process is gone, however it ends
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1, start_new_session=True,
+                                     text=True, bufsize=1, start_new_session=True, env=self.env,
                                      # the death signal follows the thread that forks: arm it
                                      # only from the main thread, which lives as long as we do
                                      preexec_fn=_die_with_parent(os.getpid())
@@ -123,10 +125,21 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S,
                    help=f"how long each service may take to load and start (default {START_TIMEOUT_S} s)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--api-key", default=None)
-    from services.cli import add_model_serving_args
+    p.add_argument("--api-key", default=None, help="the router requires it (better: $CPSERVE_API_KEY or "
+                                                   "--api-key-file)")
+    p.add_argument("--api-key-file", default=None)
+    from services.cli import add_internal_plane_args, add_model_serving_args
 
+    add_internal_plane_args(p)
     add_model_serving_args(p)
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """The key the router requires: --api-key, else $CPSERVE_API_KEY, else --api-key-file's."""
+    from services.common.security import read_secret
+    from services.router.server import API_KEY_ENV
+
+    return args.api_key or read_secret(API_KEY_ENV, args.api_key_file, "api_key_file")
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -146,29 +159,49 @@ def _flags(pairs: list[tuple[str, object]]) -> list[str]:
     return out
 
 
+def cluster_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's environment: ours, plus a fresh random internal token unless one is
+    configured ($CPSERVE_INTERNAL_TOKEN or --internal-token-file), so the internal plane of a
+    cluster `up` starts is closed by default."""
+    from services.common.security import TOKEN_ENV
+
+    env = dict(os.environ)
+    if not env.get(TOKEN_ENV, "").strip() and not args.internal_token_file:
+        import secrets
+
+        env[TOKEN_ENV] = secrets.token_urlsafe(32)
+    return env
+
+
 def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0, quiet: bool = False) -> list[Child]:
-    common = _flags([("--config", args.config), ("--model", args.model), ("--host", args.host)])
+    """Start prefill, decode and router as child processes; return them (router last). Their
+    internal RPCs carry the token of :func:`cluster_env` (``children[i].env``)."""
+    env = cluster_env(args)
+    common = _flags([("--config", args.config), ("--model", args.model), ("--host", args.host),
+                     ("--internal-token-file", args.internal_token_file), ("--tls-cert", args.tls_cert),
+                     ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)])
     engine_common = _flags([("--dtype", args.dtype), ("--generation-config", args.generation_config)])
     children = []
     try:
         prefill = Child("prefill", common + engine_common + ["--port", "0"] + _flags([
             ("--cp", args.prefill_cp), ("--strategy", args.cp_strategy), ("--layer-split", args.layer_split),
-            ("--prefix-cache", args.prefix_cache)]), quiet)
+            ("--prefix-cache", args.prefix_cache)]), quiet, env=env)
         children.append(prefill)
         decode = Child("decode", common + engine_common + ["--port", "0"] + _flags([
-            ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm)]), quiet)
+            ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm)]), quiet, env=env)
         children.append(decode)
         timeout = args.start_timeout_s
         p_addr, d_addr = prefill.wait_ready(timeout), decode.wait_ready(timeout)
         router = Child("router", common + _flags([("--port", port), ("--grpc-port", grpc_port),
                                                   ("--api-key", args.api_key),
+                                                  ("--api-key-file", args.api_key_file),
                                                   ("--served-model-name", args.served_model_name),
                                                   ("--tokenizer", args.tokenizer),
                                                   ("--trust-remote-code", args.trust_remote_code),
                                                   ("--chat-template", args.chat_template),
                                                   ("--generation-config", args.generation_config),
                                                   ("--max-model-len", args.max_model_len)])
-                       + ["--prefill", p_addr, "--decode", d_addr], quiet)
+                       + ["--prefill", p_addr, "--decode", d_addr], quiet, env=env)
         children.append(router)
         router.wait_ready(timeout)
         return children
@@ -245,7 +278,7 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
             # group) before serving: proof that the cluster works, with its timings.
             body = {"model": served_name(args), "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}
             try:
-                ids, ttft, tpot = stream_completion(http, body, args.api_key)
+                ids, ttft, tpot = stream_completion(http, body, api_key_of(args))
             except RuntimeError as e:
                 print(f"error: the demo request failed: {e}; stopping", file=sys.stderr)
                 return 1
@@ -285,7 +318,7 @@ def run_generate(args: argparse.Namespace, parser=None) -> int:
     children = start_cluster(args, 0, None, quiet=True)
     try:
         try:
-            ids, ttft, tpot = stream_completion(children[-1].address, body, args.api_key)
+            ids, ttft, tpot = stream_completion(children[-1].address, body, api_key_of(args))
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# smaller than --quick where a benchmark allows it: this checks that it runs, not its figures
+SMALLER = {"kv_transfer": ["--tokens", "1024,2048"], "serving": ["--concurrency", "1,4"]}
 BENCHES = {  # benchmark → (plot it writes, a key its JSON must have)
     "reference": ("reference.png", "results"),
     "prefill_cp": ("prefill_cp.png", "runtime_s"),
@@ -27,7 +29,8 @@ BENCHES = {  # benchmark → (plot it writes, a key its JSON must have)
 @pytest.mark.parametrize("name", sorted(BENCHES))
 def test_benchmark_quick_run(name, tmp_path):
     plot, key = BENCHES[name]
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick", "--json", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick", "--json", "--out", str(tmp_path),
+                           *SMALLER.get(name, [])],
                           cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -69,7 +70,7 @@ def completion_ids(client, model, prompt, stream):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model,kw", [
-    ("tiny", dict()),
+    # (the default layout, tiny + interleave + a2a + copied index, is the module cluster's below)
     ("tiny", dict(layer_split=True, indexer="split", dcp_comm="ag_rs")),
     ("tiny-v3", dict(cp_strategy="zigzag")),
 ])
@@ -115,6 +116,31 @@ def cluster():
     children = start_cluster(cluster_args(), 0, None, quiet=True)
     yield children
     stop_cluster(children)
+
+
+@pytest.mark.timeout(300)
+def test_default_layout_outputs_equal_the_reference(cluster):
+    client = client_for(cluster)
+    for i, p in enumerate(prompts()):
+        assert completion_ids(client, "tiny", p, stream=bool(i % 2)) == reference("tiny", p), len(p)
+
+
+def test_internal_rpcs_need_the_token_cpserve_up_made(cluster):
+    """`cpserve up` closes its internal plane with a fresh token: a direct Reserve without it is
+    refused, with it (from the children's environment) it works."""
+    from services.common.security import TOKEN_ENV, InternalPlane
+    from services.protos import decode_pb2, decode_pb2_grpc
+
+    token = cluster[1].env[TOKEN_ENV]
+    assert len(token) >= 32 and token not in "".join(c for child in cluster for c in child.lines)
+    req = decode_pb2.ReserveRequest(request_id="t", num_tokens=4, max_new_tokens=1)
+    with InternalPlane().channel(cluster[1].address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            decode_pb2_grpc.DecodeStub(ch).Reserve(req, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with InternalPlane(token=token).channel(cluster[1].address) as ch:
+        ref = decode_pb2_grpc.DecodeStub(ch).Reserve(req, timeout=10)
+        decode_pb2_grpc.DecodeStub(ch).Abort(decode_pb2.ReservationRef(reservation_id=ref.reservation_id), timeout=10)
 
 
 @pytest.mark.timeout(600)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.cache.pool import KVPool
+from engine.faults import faults
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
 from engine.parallel.layout import layer_owner, layer_owner_ranges, split_batch
@@ -74,6 +75,7 @@ class CPKV:
         return out[self.order]
 
     def store(self, layer, latent, index_key):
+        faults().after_layer()
         r, cfg = self.r, self.r.cfg
         packed = latent if index_key is None else torch.cat([latent, index_key.to(latent.dtype)], dim=-1)
         full = self._all_gather(packed.to(r.dtype))

@@ -24,10 +24,20 @@ class ConfigError(ValueError):
     """A bad configuration value; the message starts with ``section.field``."""
 
 
-class _ServiceConfig(BaseModel):
-    """Fields every engine-backed service has."""
+class _InternalPlaneConfig(BaseModel):
+    """Credentials of internal gRPC (services/common/security.py): the shared token comes from
+    $CPSERVE_INTERNAL_TOKEN or this file; TLS from PEM files (tls_ca: mutual TLS)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    internal_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+
+class _ServiceConfig(_InternalPlaneConfig):
+    """Fields every engine-backed service has."""
 
     model: str = "tiny"
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: the checkpoint's torch_dtype
@@ -43,6 +53,8 @@ class _ServiceConfig(BaseModel):
     # this machine's primary address)
     advertise_host: str | None = None
     max_queue: int = Field(64, ge=1)  # requests waiting for the engine; more → RESOURCE_EXHAUSTED
+    # a plaintext listener serving only grpc.health.v1 (for probes that cannot speak TLS); 0: a free port
+    health_port: int | None = Field(None, ge=0, le=65535)
 
     @property
     def advertised_host(self) -> str:
@@ -158,14 +170,12 @@ def load_config(section: str, path: str | Path | None = None, overrides: dict[st
     return build_config(SECTIONS[section], section, values)
 
 
-class RouterConfig(BaseModel):
+class RouterConfig(_InternalPlaneConfig):
     """The router (services/router): which services it pairs, and its two fronts.
 
     ``port``/``grpc_port`` 0 pick a free port (the handle reports the bound one); ``grpc_port:
     null`` turns the gRPC front off. The router loads ``model``'s config and tokenizer to
     validate and tokenize requests; it never loads weights."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     prefill: tuple[str, ...] = Field(min_length=1)  # host:port of each prefill service
     decode: tuple[str, ...] = Field(min_length=1)  # host:port of each decode service
@@ -175,6 +185,7 @@ class RouterConfig(BaseModel):
     port: int = Field(0, ge=0, le=65535)  # HTTP (OpenAI API, /health, /metrics)
     grpc_port: int | None = Field(0, ge=0, le=65535)
     api_key: str | None = Field(None, repr=False)  # set: clients must send "Authorization: Bearer <key>"
+    api_key_file: str | None = None  # the api key from a file (or $CPSERVE_API_KEY), not a flag that shows in ps
     max_retries: int = Field(2, ge=0)  # other pairs tried after a failure before the first token
     request_timeout_s: float = Field(600.0, gt=0)  # a whole request, arrival to last token
     rpc_timeout_s: float = Field(5.0, gt=0)  # health, Status and Abort calls

@@ -28,6 +28,7 @@ from engine.model.sampler import InvalidRequest
 from engine.parallel.group import GroupError
 from kvtransfer.handoff import BadReservation, LayoutMismatch, NoCapacity, ReservationError
 from kvtransfer.transport import TransferError
+from services.common.security import InternalPlane
 
 logger = logging.getLogger("cpserve.services")
 
@@ -87,41 +88,79 @@ class Health:
             self.servicer.set(name, status)
 
 
+def service_plane(config) -> InternalPlane:
+    """The internal plane of a service config; a bad setting is a ConfigError naming the field."""
+    from services.common.config import ConfigError
+    from services.common.security import SecurityError
+
+    try:
+        return InternalPlane.from_config(config)
+    except SecurityError as e:
+        raise ConfigError(str(e)) from None
+
+
 def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def start_server(add_servicers: Callable[[grpc.Server], None], service_names: list[str], host: str, port: int,
-                 max_workers: int) -> tuple[grpc.Server, int, Health]:
-    """Bind ``host:port`` (port 0: a free one), start, and return (server, bound port, health).
-
-    Health starts NOT_SERVING; the caller flips it once its engine is ready."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"))
-    add_servicers(server)
-    h = Health(service_names)
-    health_pb2_grpc.add_HealthServicer_to_server(h.servicer, server)
+def _bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
     try:
-        bound = server.add_insecure_port(address(host, port))
+        bound = (server.add_secure_port(address(host, port), credentials) if credentials is not None
+                 else server.add_insecure_port(address(host, port)))
     except RuntimeError:
         bound = 0
     if bound == 0:
         raise OSError(f"port: cannot bind {address(host, port)}")
+    return bound
+
+
+def start_server(add_servicers: Callable[[grpc.Server], None], service_names: list[str], host: str, port: int,
+                 max_workers: int, plane: InternalPlane | None = None,
+                 health_port: int | None = None) -> tuple[grpc.Server, int, Health]:
+    """Bind ``host:port`` (port 0: a free one), start, and return (server, bound port, health).
+
+    With ``plane``, every method but the health service needs its token, and the port speaks
+    TLS if the plane has a certificate. ``health_port`` adds a plaintext port on ``host`` that
+    serves only the health service (``server.health_port`` is the bound one). Health starts
+    NOT_SERVING; the caller flips it once its engine is ready."""
+    plane = plane or InternalPlane()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                         interceptors=plane.server_interceptors())
+    add_servicers(server)
+    h = Health(service_names)
+    health_pb2_grpc.add_HealthServicer_to_server(h.servicer, server)
+    bound = _bind(server, host, port, plane.server_credentials())
+    probes = None
+    if health_port is not None:
+        probes = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-health"))
+        health_pb2_grpc.add_HealthServicer_to_server(h.servicer, probes)
+        server.health_port = _bind(probes, host, health_port, None)
     server.start()
+    if probes is not None:
+        probes.start()
+        stop = server.stop
+
+        def stop_both(grace):
+            probes.stop(grace)
+            return stop(grace)
+
+        server.stop = stop_both
     return server, bound, h
 
 
 def serve_engine(kind: str, engine, make_service: Callable, add_servicer: Callable, service_name: str, config,
-                 max_workers: int, details: str):
+                 max_workers: int, details: str, plane: InternalPlane | None = None):
     """Start an engine-backed gRPC service: build the service around `engine`, bind
     ``config.host:config.port``, mark health SERVING. Returns ``(service, server, port, address,
     shutdown)``; ``shutdown(grace_s)`` is idempotent (health NOT_SERVING, service stopped, server
     stopped, rank group closed). On a failed start the engine is closed."""
     health: list[Health] = []
+    plane = plane or InternalPlane()
     try:
         service = make_service(on_failure=lambda msg: health and health[0].set_serving(False))
         try:
             server, port, h = start_server(lambda s: add_servicer(service, s), [service_name], config.host,
-                                           config.port, max_workers)
+                                           config.port, max_workers, plane, config.health_port)
         except BaseException:
             service.stop()
             raise
@@ -131,7 +170,9 @@ def serve_engine(kind: str, engine, make_service: Callable, add_servicer: Callab
     health.append(h)
     advertised = address(config.advertised_host, port)
     h.set_serving(service.loop.failure is None)
-    logger.info("serving %s on %s (%s)", kind, advertised, details)
+    closed = ", ".join(n for n, on in (("token", plane.token), ("TLS", plane.tls), ("mutual TLS", plane.ca)) if on)
+    extra = f"; health-only plaintext port {server.health_port}" if config.health_port is not None else ""
+    logger.info("serving %s on %s (%s; internal plane: %s%s)", kind, advertised, details, closed or "open", extra)
     done = []
 
     def shutdown(grace_s: float = 2.0) -> None:

@@ -192,10 +192,11 @@ def serve_decode(config: DecodeConfig, engine: DCPDecodeEngine | None = None):
     and marks health SERVING. ``shutdown()`` is idempotent: health NOT_SERVING, open streams end
     with an UNAVAILABLE error event, the server stops, the rank group exits. ``engine`` lets a
     caller supply a ready engine (tests); it is closed by ``shutdown`` all the same."""
+    plane = rpc.service_plane(config)  # a bad credentials file fails before the model loads
     engine = engine or DCPDecodeEngine(**config.engine_kwargs)
     service, server, port, service_address, shutdown = rpc.serve_engine(
         "decode", engine, lambda on_failure: DecodeService(engine, config, on_failure=on_failure),
         decode_pb2_grpc.add_DecodeServicer_to_server, SERVICE_NAME, config, MAX_WORKERS,
-        f"dcp={config.dcp}, {config.dcp_comm}, {config.indexer} index, model {config.model}, dtype {engine.dtype}")
+        f"dcp={config.dcp}, {config.dcp_comm}, {config.indexer} index, model {config.model}, dtype {engine.dtype}", plane)
     service.address = service_address
     return server, port, shutdown

@@ -25,6 +25,7 @@ from kvtransfer.handoff import KvDestination, ReservationError, check_fingerprin
 from kvtransfer.transport import TransferError
 from services.common import rpc
 from services.common.rpc import ServiceUnavailable
+from services.common.security import InternalPlane
 from services.common.config import PrefillConfig
 from services.common.convert import destination_from_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop
@@ -45,10 +46,18 @@ def _snapshot(engine: CPPrefillEngine) -> tuple[int, int]:
     return (alloc.num_pages - alloc.num_free) * page, alloc.num_free * page
 
 
+def _write_seconds(stats: list[dict]) -> float:
+    """Time spent in KV writes: each rank reports the seconds its pushes took (with layer-wise
+    overlap, the sum over its per-layer pushes, which ran beside the compute); ranks write in
+    parallel, so the slowest rank's."""
+    return max((r.get("seconds", 0.0) for r in stats), default=0.0)
+
+
 class DecodePeers:
     """gRPC channels to decode services, by address (loop thread only)."""
 
-    def __init__(self):
+    def __init__(self, plane: InternalPlane):
+        self.plane = plane
         self.channels: dict[str, grpc.Channel] = {}
 
     def begin_write(self, address: str, reservation_id: str) -> float:
@@ -56,7 +65,7 @@ class DecodePeers:
         the lease in seconds. A refusal is a ReservationError: write nothing."""
         channel = self.channels.get(address)
         if channel is None:
-            channel = self.channels[address] = grpc.insecure_channel(address, options=rpc.CHANNEL_OPTIONS)
+            channel = self.channels[address] = self.plane.channel(address, rpc.CHANNEL_OPTIONS)
         stub = decode_pb2_grpc.DecodeStub(channel)
         try:
             return stub.BeginWrite(decode_pb2.ReservationRef(reservation_id=reservation_id),
@@ -104,10 +113,11 @@ def _fail_pending(engine: CPPrefillEngine, message: str) -> None:
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: CPPrefillEngine, config: PrefillConfig, on_failure: Callable[[str], None]):
+    def __init__(self, engine: CPPrefillEngine, config: PrefillConfig, on_failure: Callable[[str], None],
+                 plane: InternalPlane | None = None):
         self.engine, self.config = engine, config
         self.cfg, self.fingerprint = engine.cfg, engine.fingerprint  # immutable: read by handlers
-        self.peers = DecodePeers()
+        self.peers = DecodePeers(plane or InternalPlane())
         self.loop = EngineLoop(engine, "prefill", config.max_queue, on_failure=on_failure, snapshot=_snapshot,
                                has_work=lambda e: e.has_work or bool(e.pending), tick=_tick,
                                on_stop=_fail_pending)
@@ -125,14 +135,13 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         lease_s = self.peers.begin_write(address, rid) or 60.0
 
         def renew() -> None:
-            if not is_active():
-                raise ReservationError("the client went away during its prefill")
             self.peers.begin_write(address, rid)
 
         def before_write() -> None:
-            marks.append(time.perf_counter())
+            if not is_active():
+                raise ReservationError("the client went away during its prefill")
+            marks.append(time.perf_counter())  # compute done (with overlap: before the last forward)
             self.peers.begin_write(address, rid)
-            marks.append(time.perf_counter())
 
         def after_write() -> None:
             self.peers.end_write(address, rid)
@@ -143,7 +152,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             after_write()  # claimed, nothing written: decode may free the rows
             raise
         pending.cleared = True  # claimed: EndWrite is owed however the request ends
-        pending.renew, pending.renew_every_s = renew, lease_s / 4
+        pending.renew, pending.renew_every_s, pending.is_active = renew, lease_s / 4, is_active
         pending.marks = marks
         return pending
 
@@ -165,7 +174,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             marks, stats = pending.marks, pending.transfer_stats or []
             response = prefill_pb2.PrefillResponse(
                 first_token=seq.output_ids[0], seed=seq.seed, prefill_ms=(marks[0] - t0) * 1e3,
-                transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=(time.perf_counter() - marks[1]) * 1e3,
+                transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=_write_seconds(stats) * 1e3,
                 cached_tokens=seq.num_cached)
         except Exception as e:
             rpc.abort(context, e)
@@ -188,10 +197,11 @@ def serve_prefill(config: PrefillConfig, engine: CPPrefillEngine | None = None):
     Starts the CP rank group (seconds), binds ``config.host:config.port`` (0: a free port), and
     marks health SERVING. ``shutdown()`` is idempotent: health NOT_SERVING, queued requests fail
     UNAVAILABLE, the server stops, the rank group exits."""
+    plane = rpc.service_plane(config)  # a bad credentials file fails before the model loads
     engine = engine or CPPrefillEngine(**config.engine_kwargs)
     _, server, port, _, shutdown = rpc.serve_engine(
-        "prefill", engine, lambda on_failure: PrefillService(engine, config, on_failure=on_failure),
+        "prefill", engine, lambda on_failure: PrefillService(engine, config, on_failure=on_failure, plane=plane),
         prefill_pb2_grpc.add_PrefillServicer_to_server, SERVICE_NAME, config, config.max_queue + 16,
         f"cp={config.cp}, {config.strategy}{', layer split' if config.layer_split else ''}, model {config.model}, "
-        f"dtype {engine.dtype}")
+        f"dtype {engine.dtype}", plane)
     return server, port, shutdown

@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.rpc import CHANNEL_OPTIONS
+from services.common.security import InternalPlane
 from services.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 # Codes that say nothing about the pair: the same request fails the same way anywhere.
@@ -147,9 +148,10 @@ def _error(e: grpc.aio.AioRpcError, address: str) -> BackendError:
 
 
 class _GrpcService:
-    def __init__(self, address: str):
+    def __init__(self, address: str, plane: InternalPlane | None = None):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)  # never through a proxy
+        # the internal plane's TLS and token; never through an HTTP proxy
+        self.channel = (plane or InternalPlane()).aio_channel(address, CHANNEL_OPTIONS)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     async def check_health(self, timeout: float) -> bool:
@@ -165,8 +167,8 @@ class _GrpcService:
 
 
 class GrpcPrefillClient(_GrpcService, PrefillClient):
-    def __init__(self, address: str):
-        super().__init__(address)
+    def __init__(self, address: str, plane: InternalPlane | None = None):
+        super().__init__(address, plane)
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
 
     async def prefill(self, job: Job, destination: Any, timeout: float) -> FirstToken:
@@ -191,8 +193,8 @@ _STREAM_ERRORS = {decode_pb2.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE
 
 
 class GrpcDecodeClient(_GrpcService, DecodeClient):
-    def __init__(self, address: str):
-        super().__init__(address)
+    def __init__(self, address: str, plane: InternalPlane | None = None):
+        super().__init__(address, plane)
         self.stub = decode_pb2_grpc.DecodeStub(self.channel)
 
     async def reserve(self, job: Job, timeout: float) -> Reservation:

@@ -39,8 +39,9 @@ class RouterMetrics:
                                ["service", "rank"], registry=r)
         self.transfer_bytes = Counter("cpserve_kv_transfer_bytes", "KV bytes moved from prefill to decode",
                                       registry=r)
-        self.transfer_seconds = Counter("cpserve_kv_transfer_seconds", "Time spent moving KV (per request, summed)",
-                                        registry=r)
+        self.transfer_seconds = Counter("cpserve_kv_transfer_seconds",
+                                        "Seconds prefill ranks spent in KV writes (the slowest rank's, summed "
+                                        "over requests; compute excluded)", registry=r)
         self.prefix_cached_tokens = Counter("cpserve_prefix_cached_tokens",
                                             "Prompt tokens the prefill services took from their prefix cache",
                                             registry=r)

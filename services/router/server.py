@@ -17,10 +17,14 @@ from typing import Callable
 
 import uvicorn
 
+API_KEY_ENV = "CPSERVE_API_KEY"
+
 from services.router.app import build_app
 from services.router.backend import DecodeClient, GrpcDecodeClient, GrpcPrefillClient, PrefillClient
 from services.router.completion import CompletionRunner
+from services.common import rpc
 from services.common.config import RouterConfig
+from services.common.security import InternalPlane, read_secret
 from services.router.dispatch import Dispatcher
 from services.router.grpc_front import GrpcFront, RouterServicer
 from services.router.health import HealthMonitor
@@ -70,6 +74,9 @@ def serve_router(config: RouterConfig, prefill_clients: list[PrefillClient] | No
                  decode_clients: list[DecodeClient] | None = None, start_timeout_s: float = 60.0) -> RouterHandle:
     """Start the router in a background thread. ``*_clients`` replace the gRPC clients (tests);
     by default one gRPC client per configured address."""
+    plane = rpc.service_plane(config)  # bad credential files: a ConfigError naming the field, now
+    api_key = config.api_key or read_secret(API_KEY_ENV, config.api_key_file, "api_key_file")
+    config = config.model_copy(update={"api_key": api_key})
     ready = threading.Event()
     box: dict = {}
 
@@ -77,7 +84,7 @@ def serve_router(config: RouterConfig, prefill_clients: list[PrefillClient] | No
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(_serve(config, prefill_clients, decode_clients, box, ready))
+            loop.run_until_complete(_serve(config, plane, prefill_clients, decode_clients, box, ready))
         except BaseException as e:  # reported to the starting thread if start-up failed
             box.setdefault("error", e)
             ready.set()
@@ -101,9 +108,10 @@ def serve_router(config: RouterConfig, prefill_clients: list[PrefillClient] | No
     return RouterHandle(box["http_port"], box["grpc_port"], config.host, box["cluster"], box["metrics"], stop)
 
 
-async def _serve(config: RouterConfig, prefill_clients, decode_clients, box: dict, ready: threading.Event) -> None:
-    prefills = prefill_clients or [GrpcPrefillClient(a) for a in config.prefill]
-    decodes = decode_clients or [GrpcDecodeClient(a) for a in config.decode]
+async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, decode_clients, box: dict,
+                 ready: threading.Event) -> None:
+    prefills = prefill_clients or [GrpcPrefillClient(a, plane) for a in config.prefill]
+    decodes = decode_clients or [GrpcDecodeClient(a, plane) for a in config.decode]
     cluster = Cluster([c.address for c in prefills], [c.address for c in decodes])
     metrics = RouterMetrics()
     p_clients = {c.address: c for c in prefills}
