@@ -155,6 +155,38 @@ class KVTransport(abc.ABC):
         self.close()
 
 
+# Mooncake refuses ranges inside the kernel's default ephemeral block and silently falls back to
+# 15000–17000; we refuse them loudly instead.
+_EPHEMERAL = (32768, 60999)
+PORT_RANGE_ENV = ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT")
+
+
+def parse_port_range(spec: str) -> tuple[int, int]:
+    """``"LO-HI"`` → (lo, hi): the ports every Mooncake engine of this process draws its two
+    listeners from. ValueError (naming ``kv_port_range``) unless 1024 <= lo < hi <= 65535 and
+    the range avoids 32768–60999, which Mooncake would ignore."""
+    lo_s, sep, hi_s = spec.partition("-")
+    try:
+        lo, hi = int(lo_s), int(hi_s)
+    except ValueError:
+        lo = hi = -1
+    if not sep or not 1024 <= lo < hi <= 65535:
+        raise ValueError(f"kv_port_range: {spec!r} is not LO-HI with 1024 <= LO < HI <= 65535 (each engine "
+                         "takes two ports)")
+    if lo <= _EPHEMERAL[1] and hi >= _EPHEMERAL[0]:
+        raise ValueError(f"kv_port_range: {spec!r} overlaps {_EPHEMERAL[0]}-{_EPHEMERAL[1]}, which Mooncake "
+                         "refuses (it would fall back to 15000-17000)")
+    return lo, hi
+
+
+def use_port_range(spec: str) -> None:
+    """Confine the Mooncake engines this process and its children create to ``spec``'s ports.
+    Mooncake reads the range once per process, so call it before the first engine (the rank
+    processes a service spawns inherit it)."""
+    lo, hi = parse_port_range(spec)
+    os.environ[PORT_RANGE_ENV[0]], os.environ[PORT_RANGE_ENV[1]] = str(lo), str(hi)
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

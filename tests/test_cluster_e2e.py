@@ -5,6 +5,7 @@ faults, metrics."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 import signal
@@ -141,6 +142,77 @@ def test_internal_rpcs_need_the_token_cpserve_up_made(cluster):
     with InternalPlane(token=token).channel(cluster[1].address) as ch:
         ref = decode_pb2_grpc.DecodeStub(ch).Reserve(req, timeout=10)
         decode_pb2_grpc.DecodeStub(ch).Abort(decode_pb2.ReservationRef(reservation_id=ref.reservation_id), timeout=10)
+
+
+def _listeners() -> dict[int, tuple[str, int]]:
+    """Every listening TCP socket of this network namespace: inode → (address, port)."""
+    out = {}
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A":  # LISTEN
+                    continue
+                addr_hex, port_hex = cols[1].split(":")
+                raw = bytes.fromhex(addr_hex)
+                # the kernel prints each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                ip = ipaddress.ip_address(raw)
+                ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:127.0.0.1 is 127.0.0.1
+                out[int(cols[9])] = (str(ip), int(port_hex, 16))
+    return out
+
+
+def _tree(pid: int) -> set[int]:
+    """``pid`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(p))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    out, todo = set(), [pid]
+    while todo:
+        out.add(q := todo.pop())
+        todo += children.get(q, [])
+    return out
+
+
+def _sockets(pid: int) -> set[int]:
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    except (FileNotFoundError, PermissionError):
+        pass
+    return inodes
+
+
+@pytest.mark.skipif(os.environ.get("CPSERVE_NETNS") != "1", reason="reads the sockets of a private network namespace")
+def test_no_cluster_process_listens_on_a_wildcard_but_mooncake_in_its_port_range(cluster):
+    """Every listener of the default cluster binds 127.0.0.1, except Mooncake's two per rank,
+    which bind every interface whatever they are told (kvtransfer/transport.py): those must lie
+    in the configured kv_port_range."""
+    lo, hi = 15000, 16999  # the default kv_port_range
+    listening = _listeners()
+    seen, wild = 0, []
+    for child in cluster:
+        for pid in _tree(child.proc.pid):
+            for inode in _sockets(pid) & set(listening):
+                host, port = listening[inode]
+                seen += 1
+                if host not in ("127.0.0.1", "::1"):
+                    wild.append((child.kind, pid, host, port))
+    assert seen >= 3 + 8, seen  # 3 services' gRPC/HTTP ports at least, and 2 Mooncake listeners x 4 ranks
+    assert len(wild) == 8, wild  # exactly Mooncake's: 2 per rank
+    assert all(lo <= port <= hi for *_, port in wild), wild
 
 
 @pytest.mark.timeout(600)

@@ -311,9 +311,9 @@ def test_compose_addresses_advertised_between_containers(compose):
         assert svc["environment"]["MC_TCP_BIND_ADDRESS"] == ip
         if name == "decode":
             assert cfg.host == ip, "decode must bind (and so advertise) its container address, not a wildcard"
-        # Mooncake's ports: the range in the environment is the one exposed.
-        lo, hi = int(svc["environment"]["MC_MIN_RPC_PORT"]), int(svc["environment"]["MC_MAX_RPC_PORT"])
-        assert f"{lo}-{hi}" in svc["expose"] and lo <= hi
+        # Mooncake's ports: the configured range is the one exposed (and nothing overrides it)
+        assert cfg.kv_port_range in svc["expose"]
+        assert not {"MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"} & set(svc["environment"])
         assert int(svc["shm_size"]) >= 256 << 20, f"{name}: rank processes need more than Docker's 64 MB /dev/shm"
     ips = [s["networks"][net_name]["ipv4_address"] for s in compose["services"].values()]
     assert len(set(ips)) == len(ips)
@@ -701,34 +701,41 @@ def test_k8s_advertised_addresses_are_the_pod_ip(base, tmp_path):
         cfg, env = w[role]["config"], w[role]["env"]
         assert cfg.kv_host == SAMPLE_POD_IP, f"{role}: --kv-host must be $(POD_IP)"
         assert env["MC_TCP_BIND_ADDRESS"] == SAMPLE_POD_IP
-        assert int(env["MC_MIN_RPC_PORT"]) <= int(env["MC_MAX_RPC_PORT"])
+        assert not {"MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"} & set(env), "kv_port_range (config) sets the range"
     assert w["decode"]["config"].host == SAMPLE_POD_IP, "decode must bind and advertise the pod IP"
 
 
-def test_network_policy_admits_only_router_and_engines(base, tmp_path):
+def test_network_policy_admits_only_router_to_grpc_and_prefill_to_decode(base, tmp_path):
+    """Prefill pods: only the router, on prefill gRPC. Decode pods: the router on decode gRPC,
+    prefill on decode gRPC and on Mooncake's port range (kv_port_range), nothing else."""
     w = _workloads(base, tmp_path)
     pods = {role: x["obj"]["spec"]["template"]["metadata"]["labels"] for role, x in w.items()}
     policies = [o for (k, _, _), o in base.items() if k == "NetworkPolicy"]
-    assert len(policies) == 1
-    [policy] = policies
-    spec = policy["spec"]
-    assert {r for r, labels in pods.items() if _matches(spec["podSelector"], labels)} == {"prefill", "decode"}
-    assert spec["policyTypes"] == ["Ingress"]
-    allowed_sources: set[str] = set()
-    allowed_ports: list[tuple[int, int]] = []
-    for rule in spec["ingress"]:
-        assert rule.get("from"), "an ingress rule without `from` admits every source"
-        for peer in rule["from"]:
-            assert set(peer) == {"podSelector"}, f"only pod selectors in this namespace: {peer}"
-            allowed_sources |= {r for r, labels in pods.items() if _matches(peer["podSelector"], labels)}
-        assert rule.get("ports"), "restrict the ports"
-        for p in rule["ports"]:
-            assert p.get("protocol", "TCP") == "TCP"
-            allowed_ports.append((p["port"], p.get("endPort", p["port"])))
-    assert allowed_sources == {"router", "prefill", "decode"}
+    admitted: dict[str, set] = {role: set() for role in pods}  # role → {(source role, lo, hi)}
+    selectors = []
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        selectors.append(spec["podSelector"])
+        targets = {r for r, labels in pods.items() if _matches(spec["podSelector"], labels)}
+        for rule in spec["ingress"]:
+            assert rule.get("from"), "an ingress rule without `from` admits every source"
+            assert rule.get("ports"), "restrict the ports"
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}, f"only pod selectors in this namespace: {peer}"
+                selectors.append(peer["podSelector"])
+                sources = {r for r, labels in pods.items() if _matches(peer["podSelector"], labels)}
+                for p in rule["ports"]:
+                    assert p.get("protocol", "TCP") == "TCP"
+                    for t in targets:
+                        admitted[t] |= {(src, p["port"], p.get("endPort", p["port"])) for src in sources}
+    lo, hi = map(int, w["decode"]["config"].kv_port_range.split("-"))
+    assert w["prefill"]["config"].kv_port_range == w["decode"]["config"].kv_port_range
+    p_port, d_port = w["prefill"]["config"].port, w["decode"]["config"].port
+    assert admitted == {"router": set(), "prefill": {("router", p_port, p_port)},
+                        "decode": {("router", d_port, d_port), ("prefill", d_port, d_port), ("prefill", lo, hi)}}
     # Pods that are not cpserve's router/prefill/decode are neither selected nor admitted: try
     # every combination of the label values the selectors mention (plus absent / a stranger's).
-    selectors = [spec["podSelector"]] + [p["podSelector"] for rule in spec["ingress"] for p in rule["from"]]
     values: dict[str, set] = {}
     for sel in selectors:
         for key, value in (sel.get("matchLabels") or {}).items():
@@ -739,20 +746,23 @@ def test_network_policy_admits_only_router_and_engines(base, tmp_path):
     for combo in itertools.product(*[sorted(values[k]) + [None, "stranger"] for k in keys]):
         labels = {k: v for k, v in zip(keys, combo) if v is not None}
         name, component = labels.get("app.kubernetes.io/name"), labels.get("app.kubernetes.io/component")
-        if _matches(spec["podSelector"], labels):
-            assert name == "cpserve" and component in ("prefill", "decode"), f"policy selects {labels}"
-        for sel in selectors[1:]:
+        for sel in selectors:
             if _matches(sel, labels):
-                assert name == "cpserve" and component in ROLES, f"policy admits {labels}"
+                assert name == "cpserve" and component in ROLES, f"a policy selects or admits {labels}"
 
-    def admitted(port: int) -> bool:
-        return any(lo <= port <= hi for lo, hi in allowed_ports)
 
-    for role in ("prefill", "decode"):
-        assert admitted(w[role]["config"].port), f"{role} gRPC port"
-        lo, hi = int(w[role]["env"]["MC_MIN_RPC_PORT"]), int(w[role]["env"]["MC_MAX_RPC_PORT"])
-        assert admitted(lo) and admitted(hi) and all(admitted(p) for p in range(lo, hi + 1)), \
-            f"{role}: Mooncake ports {lo}-{hi}"
+def test_k8s_internal_token_comes_from_a_secret_file(base, tmp_path):
+    """Every service reads the internal token from the mounted Secret, never from a literal."""
+    w = _workloads(base, tmp_path)
+    for role, x in w.items():
+        spec = x["obj"]["spec"]["template"]["spec"]
+        [c] = spec["containers"]
+        args = c["args"]
+        path = args[args.index("--internal-token-file") + 1]
+        [mount] = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        [vol] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert vol["secret"]["secretName"] == "cpserve-internal-token", role
+        assert "CPSERVE_INTERNAL_TOKEN" not in {e["name"] for e in c.get("env", [])}, role
 
 
 def test_gpu_overlay_one_gpu_per_rank(base, gpu, tmp_path):

@@ -4,6 +4,7 @@ their stubs: Reserve → Prefill(destination) → Generate, exact against the re
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -469,3 +470,11 @@ def test_wildcard_host_advertises_a_concrete_address(monkeypatch):
     assert load_config("decode", None, {"host": "::"}).advertised_host not in WILDCARDS
     assert load_config("prefill", None, {"host": "0.0.0.0", "advertise_host": "p-0"}).advertised_host == "p-0"
     assert load_config("prefill").advertised_host == "127.0.0.1"  # the default binds loopback only
+
+
+@pytest.mark.parametrize("spec,why", [("40000-40010", "overlaps 32768-60999"), ("900-2000", "1024 <= LO"),
+                                      ("16000-16000", "LO < HI"), ("16000", "LO-HI"), ("a-b", "LO-HI")])
+def test_kv_port_range_is_checked_where_mooncake_would_ignore_it(spec, why):
+    with pytest.raises(ConfigError, match=f"decode.kv_port_range: .*{re.escape(why)}"):
+        load_config("decode", None, {"kv_port_range": spec})
+    assert load_config("prefill", None, {"kv_port_range": "20000-20099"}).kv_port_range == "20000-20099"

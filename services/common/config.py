@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -48,13 +48,24 @@ class _ServiceConfig(_InternalPlaneConfig):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: pick a free port
     kv_protocol: Literal["tcp", "rdma"] = "tcp"
-    kv_host: str = "127.0.0.1"  # address the KV transfer engine listens on
+    kv_host: str = "127.0.0.1"  # address the KV transfer engine advertises (it listens on every interface)
+    # the ports Mooncake's listeners (two per rank) are drawn from; it cannot bind them to one
+    # address, so this range is what a firewall or NetworkPolicy admits (kvtransfer/transport.py)
+    kv_port_range: str = "15000-16999"
     # address peers use to reach this service (default: host; for a wildcard host, $POD_IP or
     # this machine's primary address)
     advertise_host: str | None = None
     max_queue: int = Field(64, ge=1)  # requests waiting for the engine; more → RESOURCE_EXHAUSTED
     # a plaintext listener serving only grpc.health.v1 (for probes that cannot speak TLS); 0: a free port
     health_port: int | None = Field(None, ge=0, le=65535)
+
+    @field_validator("kv_port_range")
+    @classmethod
+    def _check_kv_ports(cls, value: str) -> str:
+        from kvtransfer.transport import parse_port_range
+
+        parse_port_range(value)
+        return value
 
     @property
     def advertised_host(self) -> str:

@@ -25,6 +25,7 @@ import grpc
 from engine.decode_engine import DCPDecodeEngine
 from engine.model.sampler import InvalidRequest
 from engine.scheduler import Sequence, validate_prompt
+from kvtransfer.transport import use_port_range
 from services.common import rpc
 from services.common.config import DecodeConfig
 from services.common.convert import destination_to_proto, finish_reason_to_proto, sampling_from_proto
@@ -193,6 +194,7 @@ def serve_decode(config: DecodeConfig, engine: DCPDecodeEngine | None = None):
     with an UNAVAILABLE error event, the server stops, the rank group exits. ``engine`` lets a
     caller supply a ready engine (tests); it is closed by ``shutdown`` all the same."""
     plane = rpc.service_plane(config)  # a bad credentials file fails before the model loads
+    use_port_range(config.kv_port_range)  # before the rank processes start their engines
     engine = engine or DCPDecodeEngine(**config.engine_kwargs)
     service, server, port, service_address, shutdown = rpc.serve_engine(
         "decode", engine, lambda on_failure: DecodeService(engine, config, on_failure=on_failure),

@@ -22,7 +22,7 @@ from engine.model.sampler import InvalidRequest
 from engine.prefill_engine import CPPrefillEngine
 from engine.scheduler import validate_prompt
 from kvtransfer.handoff import KvDestination, ReservationError, check_fingerprint
-from kvtransfer.transport import TransferError
+from kvtransfer.transport import TransferError, use_port_range
 from services.common import rpc
 from services.common.rpc import ServiceUnavailable
 from services.common.security import InternalPlane
@@ -198,6 +198,7 @@ def serve_prefill(config: PrefillConfig, engine: CPPrefillEngine | None = None):
     marks health SERVING. ``shutdown()`` is idempotent: health NOT_SERVING, queued requests fail
     UNAVAILABLE, the server stops, the rank group exits."""
     plane = rpc.service_plane(config)  # a bad credentials file fails before the model loads
+    use_port_range(config.kv_port_range)  # before the rank processes start their engines
     engine = engine or CPPrefillEngine(**config.engine_kwargs)
     _, server, port, _, shutdown = rpc.serve_engine(
         "prefill", engine, lambda on_failure: PrefillService(engine, config, on_failure=on_failure, plane=plane),
