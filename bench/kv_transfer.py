@@ -73,7 +73,7 @@ import torch
 from common import base_parser, emit_json, print_table, save_plot
 from engine.cache.slots import pages_needed, token_slots
 from engine.parallel.layout import layer_owner_ranges
-from kvtransfer.plan import plan_bytes, plan_transfer, writes_by_rank
+from engine.parallel.transfer_plan import plan_bytes, plan_transfer, writes_by_rank
 from kvtransfer.transport import MooncakeTransport, StagingBuffer
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # as in the tests' loopback namespace

@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from services.cli import print_generation, tokenizer_from_args
+
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError,)  # InvalidRequest, ModelConfigError, CheckpointError
 
 
@@ -18,16 +20,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     from services.cli import add_tokenizer_args
 
     add_tokenizer_args(p)
-
-
-def tokenizer_from_args(args: argparse.Namespace):
-    """The tokenizer --model / --tokenizer / --trust-remote-code name (loaded once per command)."""
-    if getattr(args, "_tokenizer", None) is None:
-        from engine.model.tokenizer import load_tokenizer
-
-        args._tokenizer = load_tokenizer(args.model or "tiny", getattr(args, "tokenizer", None),
-                                         bool(getattr(args, "trust_remote_code", False)))
-    return args._tokenizer
 
 
 def add_prompt_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -61,19 +53,6 @@ def sampling_from_args(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop_token_ids=() if args.ignore_eos else None,
     )
-
-
-def print_generation(args, tokenizer, output_ids: list[int], ttft_ms: float, tpot_ms: float, extra: dict | None = None):
-    result = {"output_ids": output_ids, "text": tokenizer.decode(output_ids),
-              "ttft_ms": round(ttft_ms, 3), "tpot_ms": None if tpot_ms != tpot_ms else round(tpot_ms, 3)}
-    if args.json:
-        print(json.dumps({**result, **(extra or {})}))
-    else:
-        print(f"output ids : {output_ids}")
-        print(f"text       : {result['text']!r}")
-        print(f"TTFT       : {ttft_ms:.1f} ms   TPOT: {tpot_ms:.2f} ms/token")
-        for k, v in (extra or {}).items():
-            print(f"{k:<11}: {v}")
 
 
 # ---- commands ----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from engine.plan import StepPlan
 from engine.runner import LocalRunner
 from engine.reservations import ReservationTable
 from engine.scheduler import Engine, Scheduler
-from kvtransfer.handoff import KvDestination, layout_fingerprint
+from engine.handoff import KvDestination, layout_fingerprint
 
 
 class DCPRunner:

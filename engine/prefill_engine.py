@@ -21,9 +21,8 @@ from engine.parallel.group import WorkerGroup
 from engine.parallel.prefill_cp import CPRunner
 from engine.model.sampler import SamplingParams
 from engine.scheduler import Engine, Scheduler, Sequence
-from kvtransfer.handoff import KvDestination, check_fingerprint, layout_fingerprint
-from kvtransfer.plan import plan_transfer, writes_by_rank
-from kvtransfer.transport import TransferError
+from engine.handoff import KvDestination, TransferError, check_fingerprint, layout_fingerprint
+from engine.parallel.transfer_plan import plan_transfer, writes_by_rank
 
 STRATEGIES = ("interleave", "zigzag")
 logger = logging.getLogger("cpserve.prefill")

@@ -34,7 +34,7 @@ import torch
 
 from engine.model.sampler import SamplingParams
 from engine.scheduler import Scheduler, Sequence
-from kvtransfer.handoff import BadReservation, NoCapacity, ReservationError, new_reservation_id
+from engine.handoff import BadReservation, NoCapacity, ReservationError, new_reservation_id
 
 logger = logging.getLogger("cpserve.reservations")
 

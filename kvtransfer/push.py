@@ -1,7 +1,7 @@
 """The sending half of the KV hand-off, run on each prefill rank.
 
 What one rank stores: a registered staging buffer (grown on demand) and one transfer engine.
-What crosses: for each write of the plan (kvtransfer/plan.py), its rows of each layer in its
+What crosses: for each write of the plan (engine/parallel/transfer_plan.py), its rows of each layer in its
 range, packed contiguously in the staging buffer, then written to the destination rank's pool
 with one batched transfer per destination rank.
 Cost: one gather per (write, layer) into staging (memory bandwidth) and one transfer entry per
@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from kvtransfer.handoff import KvDestination
+from engine.handoff import KvDestination
 from kvtransfer.transport import KVTransferError, MooncakeTransport, StagingBuffer
 
 

@@ -71,6 +71,7 @@ import threading
 import torch
 
 from engine.faults import faults
+from engine.handoff import KVTransferError, TransferError
 
 __all__ = [
     "KVTransferError",
@@ -92,19 +93,6 @@ _INSTALL_HINT = (
 
 
 MAX_RANGES_PER_BATCH = 1024
-
-
-class KVTransferError(Exception):
-    """Base of every error raised by the KV-transfer layer."""
-
-
-class TransferError(KVTransferError):
-    """A transport operation failed; ``peer`` is the session it concerned, ``reason`` why."""
-
-    def __init__(self, peer: str, reason: str):
-        super().__init__(f"KV transfer with {peer} failed: {reason}")
-        self.peer = peer
-        self.reason = reason
 
 
 class TransportUnavailableError(KVTransferError):

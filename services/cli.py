@@ -7,6 +7,7 @@ Flags are the fields of the service's config model (services/common/config.py), 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -136,6 +137,29 @@ def run_serve_router(args: argparse.Namespace, parser: argparse.ArgumentParser |
         return handle, handle.http_port, handle.shutdown
 
     return _serve_until_stopped("router", serve, config)
+
+
+def tokenizer_from_args(args: argparse.Namespace):
+    """The tokenizer --model / --tokenizer / --trust-remote-code name (loaded once per command)."""
+    if getattr(args, "_tokenizer", None) is None:
+        from engine.model.tokenizer import load_tokenizer
+
+        args._tokenizer = load_tokenizer(args.model or "tiny", getattr(args, "tokenizer", None),
+                                         bool(getattr(args, "trust_remote_code", False)))
+    return args._tokenizer
+
+
+def print_generation(args, tokenizer, output_ids: list[int], ttft_ms: float, tpot_ms: float, extra: dict | None = None):
+    result = {"output_ids": output_ids, "text": tokenizer.decode(output_ids),
+              "ttft_ms": round(ttft_ms, 3), "tpot_ms": None if tpot_ms != tpot_ms else round(tpot_ms, 3)}
+    if args.json:
+        print(json.dumps({**result, **(extra or {})}))
+    else:
+        print(f"output ids : {output_ids}")
+        print(f"text       : {result['text']!r}")
+        print(f"TTFT       : {ttft_ms:.1f} ms   TPOT: {tpot_ms:.2f} ms/token")
+        for k, v in (extra or {}).items():
+            print(f"{k:<11}: {v}")
 
 
 def add_internal_plane_args(p: argparse.ArgumentParser) -> None:

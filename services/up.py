@@ -268,7 +268,7 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
         print(f"  prefill : {children[0].address} (gRPC)")
         print(f"  decode  : {children[1].address} (gRPC)")
         print(f"  router  : http://{http}/v1  (OpenAI API; /health, /metrics)", flush=True)
-        from cpserve.cli import tokenizer_from_args
+        from services.cli import tokenizer_from_args
         from engine.model.tokenizer import NoTokenizer
 
         if args.demo and isinstance(tokenizer_from_args(args), NoTokenizer):
@@ -300,7 +300,7 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
 
 
 def run_generate(args: argparse.Namespace, parser=None) -> int:
-    from cpserve.cli import print_generation, tokenizer_from_args
+    from services.cli import print_generation, tokenizer_from_args
 
     body = {"model": served_name(args), "max_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "ignore_eos": args.ignore_eos}

@@ -15,7 +15,7 @@ from engine.model.sampler import SamplingParams
 from engine.model.tiny import make_tiny
 from engine.prefill_engine import CPPrefillEngine
 from engine.reference import ReferenceEngine
-from kvtransfer.handoff import LayoutMismatch, ReservationError
+from engine.handoff import LayoutMismatch, ReservationError
 from kvtransfer.transport import TransferError
 
 PARAMS = SamplingParams(max_new_tokens=16, stop_token_ids=())
@@ -201,7 +201,7 @@ def test_abort_while_writing_quarantines_the_rows_until_the_writer_stops(overlap
     those rows to another request before the writer says it has stopped (EndWrite), or the
     late writes land in the other request's rows. Here the cache holds one request, so the next
     reservation is refused until then; afterwards it gets the rows and decodes exactly."""
-    from kvtransfer.handoff import NoCapacity
+    from engine.handoff import NoCapacity
 
     g = torch.Generator().manual_seed(9)
     a, b = (torch.randint(3, 300, (60,), generator=g).tolist() for _ in range(2))

@@ -1,4 +1,4 @@
-"""kvtransfer.plan: the prefill -> decode transfer plan (pure index math)."""
+"""engine.parallel.transfer_plan: the prefill -> decode transfer plan (pure index math)."""
 
 from collections import Counter
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine.cache.slots import pages_needed, token_slots
 from engine.parallel.layout import layer_owner
-from kvtransfer.plan import Write, plan_bytes, plan_transfer, writes_by_rank
+from engine.parallel.transfer_plan import Write, plan_bytes, plan_transfer, writes_by_rank
 
 
 def test_worked_example_cp2_full_copy_to_dcp2():

@@ -315,7 +315,7 @@ def test_cuda_engine_matches_cpu(tmp_path, model_type):
 
 
 def test_row_gatherer_reuses_its_buffer_for_large_gathers():
-    from engine.cache.local import RowGatherer
+    from engine.cache.gather import RowGatherer
 
     g = torch.Generator().manual_seed(4)
     pool = torch.randn(5000, 300, generator=g)

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.decode_engine import DCPDecodeEngine
 from engine.model.sampler import InvalidRequest, SamplingParams
 from engine.reference import ReferenceEngine
-from kvtransfer.handoff import KvDestination, RankEndpoint
+from engine.handoff import KvDestination, RankEndpoint
 from services.common.config import ConfigError, DecodeConfig, PrefillConfig, load_config
 from services.common.convert import destination_from_proto, destination_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop
@@ -445,7 +445,7 @@ def test_cli_serve_decode_prints_its_address_and_stops_on_sigterm():
 def test_status_codes_come_from_exception_types_not_messages():
     """A reservation error's code follows its class: a message that merely starts with
     "capacity" or "prompt:" does not change it."""
-    from kvtransfer.handoff import BadReservation, NoCapacity, ReservationError
+    from engine.handoff import BadReservation, NoCapacity, ReservationError
     from services.common.rpc import status_of
 
     assert status_of(NoCapacity("no rows"))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.cache.gather import RowGatherer
 from engine.model.config import ModelConfig
 
 
@@ -36,8 +37,6 @@ class KVPool:
         # per-layer views, made once: indexing the pool tensor each time is a torch call
         self._latent_views = list(self.latent_pool.unbind(0))
         self._index_views = dict(zip(self.index_layers, self.index_pool.unbind(0)))
-        from engine.cache.local import RowGatherer
-
         self.gather = RowGatherer()  # reused decode-attention buffer
 
     def holds(self, layer: int) -> bool:

@@ -35,7 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.cache.local import RowGatherer
+from engine.cache.gather import RowGatherer
+from engine.handoff import RankEndpoint, kv_backend
 from engine.model.attention import absorbed_decode, merge_partials, topk_mask, topk_select
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
@@ -292,17 +293,13 @@ class DecodeRank:
         self.gather = RowGatherer()
         self.transport = None
         if kv_transport is not None:
-            from kvtransfer.transport import MooncakeTransport
-
-            self.transport = MooncakeTransport(kv_host, kv_transport)
+            self.transport = kv_backend().receiver(kv_host, kv_transport)
             self.transport.register(self.latent.data_ptr(), self.latent.numel() * self.latent.element_size())
             for t in self.index.values():
                 self.transport.register(t.data_ptr(), t.numel() * t.element_size())
 
     def endpoint(self):
         """Where this rank's pools are, for a KvDestination (the prefill side writes there)."""
-        from kvtransfer.handoff import RankEndpoint
-
         if self.transport is None:
             raise ValueError("kv_transport: this decode group was started without a KV transport")
         any_index = next(iter(self.index.values()), None)

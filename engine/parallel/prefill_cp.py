@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from engine.cache.pool import KVPool
 from engine.faults import faults
+from engine.handoff import kv_backend
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
 from engine.parallel.layout import layer_owner, layer_owner_ranges, split_batch
@@ -150,9 +151,7 @@ class PrefillRank:
         self.sender = None
         self.pusher: ThreadPoolExecutor | None = None  # one thread: layer pushes go in order
         if kv_transport is not None:
-            from kvtransfer.push import KVSender
-
-            self.sender = KVSender(kv_host, kv_transport)
+            self.sender = kv_backend().sender(kv_host, kv_transport)
 
     def push(self, writes_by_rank: dict, dest) -> dict:
         """Send this rank's writes of a transfer plan to the decode ranks (see kvtransfer/push.py)."""

@@ -7,7 +7,7 @@ message path (``destination.index_mode``), so the service answers INVALID_ARGUME
 from __future__ import annotations
 
 from engine.model.sampler import InvalidRequest, SamplingParams
-from kvtransfer.handoff import KvDestination, RankEndpoint
+from engine.handoff import KvDestination, RankEndpoint
 from services.protos import common_pb2, decode_pb2, kv_pb2
 
 _INDEX_MODES = {"copied": kv_pb2.INDEX_MODE_COPIED, "split": kv_pb2.INDEX_MODE_SPLIT}

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.model.sampler import InvalidRequest
 from engine.parallel.group import GroupError
-from kvtransfer.handoff import BadReservation, LayoutMismatch, NoCapacity, ReservationError
+from engine.handoff import BadReservation, LayoutMismatch, NoCapacity, ReservationError
 from kvtransfer.transport import TransferError
 from services.common.security import InternalPlane
 

@@ -21,7 +21,7 @@ import grpc
 from engine.model.sampler import InvalidRequest
 from engine.prefill_engine import CPPrefillEngine
 from engine.scheduler import validate_prompt
-from kvtransfer.handoff import KvDestination, ReservationError, check_fingerprint
+from engine.handoff import KvDestination, ReservationError, check_fingerprint
 from kvtransfer.transport import TransferError, use_port_range
 from services.common import rpc
 from services.common.rpc import ServiceUnavailable

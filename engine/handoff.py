@@ -5,7 +5,7 @@ its transfer-engine session and the addresses of its registered pools, the group
 token of the request, the index placement, and a fingerprint of the model and cache layout.
 The prefill side checks the fingerprint *before computing anything* — a mismatch is refused
 with the name of the differing field — then writes each (token, layer) entry straight into the
-reserved rows (engine/parallel/prefill_cp.py `push`, plan in kvtransfer/plan.py).
+reserved rows (engine/parallel/prefill_cp.py `push`, plan in engine/parallel/transfer_plan.py).
 
 Reservation ids are random 128-bit values (32 hex digits).
 """
@@ -13,11 +13,26 @@ Reservation ids are random 128-bit values (32 hex digits).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import secrets
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 from engine.model.config import ModelConfig
+
+
+class KVTransferError(Exception):
+    """Base of every error raised by the KV-transfer layer."""
+
+
+class TransferError(KVTransferError):
+    """A transport operation failed; ``peer`` is the session it concerned, ``reason`` why."""
+
+    def __init__(self, peer: str, reason: str):
+        super().__init__(f"KV transfer with {peer} failed: {reason}")
+        self.peer = peer
+        self.reason = reason
 
 
 class LayoutMismatch(ValueError):
@@ -105,3 +120,40 @@ class KvDestination:
         if len(self.slots) < num_tokens:
             raise ReservationError(f"reservation {self.reservation_id} holds {len(self.slots)} tokens; "
                                    f"the prompt has {num_tokens}")
+
+
+# ---- the transfer backend ------------------------------------------------------------------
+# The engine's ranks move KV through these two small interfaces and never import an
+# implementation: the backend is a module named by string, loaded in the rank process, with
+# ``sender(host, protocol) -> KVSender`` and ``receiver(host, protocol) -> KVReceiver``.
+# kvtransfer/backend.py implements them on Mooncake's TransferEngine.
+DEFAULT_BACKEND = "kvtransfer.backend"
+
+
+class KVSender(Protocol):
+    """Prefill side: writes a rank's part of a transfer plan into a destination's rows."""
+
+    def push(self, writes, dest: "KvDestination", latent_of: Callable, index_of: Callable,
+             layer: int | None = None) -> dict:
+        """{"ok": True, "bytes", "seconds", "writes"} or {"ok": False, "peer", "error", "seconds"};
+        never raises a transfer failure."""
+
+    def merge(self, results: list[dict]) -> dict:
+        """One result for several pushes of one request."""
+
+    def close(self) -> None: ...
+
+
+class KVReceiver(Protocol):
+    """Decode side: memory that peers may write into, and the session name they address."""
+
+    session_name: str
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def kv_backend(spec: str = DEFAULT_BACKEND):
+    """The backend module ``spec`` (see above)."""
+    return importlib.import_module(spec)
