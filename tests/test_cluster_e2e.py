@@ -275,21 +275,71 @@ def rank_pids(service_pid: int) -> list[int]:
     return sorted(out)
 
 
+def health_of(address: str) -> int:
+    """The service's grpc.health.v1 status (exempt from the internal token)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address, options=(("grpc.enable_http_proxy", 0),)) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
 @pytest.mark.timeout(300)
-def test_killing_a_decode_rank_mid_stream_ends_the_stream_and_marks_decode_unhealthy(cluster):
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+def test_a_dead_rank_fails_its_request_fast_then_the_group_rebuilds_itself(cluster, victim):
+    """kill -9 of one rank mid-request: the request ends with an error within 5 s, the service
+    reports NOT_SERVING, rebuilds its rank group and reports SERVING within 60 s, and the next
+    request is exact — nothing restarted by hand."""
+    from grpc_health.v1 import health_pb2
+
     client = client_for(cluster)
-    stream = client.completions.create(model="tiny", prompt=[5] * 40, max_tokens=3000, temperature=0, stream=True,
-                                       extra_body=EXTRA)
-    next(iter(stream))
-    victim = rank_pids(cluster[1].proc.pid)[-1]
-    os.kill(victim, signal.SIGKILL)
+    service = cluster[0 if victim == "prefill" else 1]
+    result: dict = {}
+
+    def request() -> None:
+        try:
+            if victim == "decode":  # mid-stream: 3,000 tokens to go
+                stream = client.completions.create(model="tiny", prompt=[5] * 40, max_tokens=3000, temperature=0,
+                                                   stream=True, extra_body=EXTRA)
+                result["first"] = next(iter(stream))
+                for _ in stream:
+                    pass
+            else:  # mid-prefill: a 4,000-token prompt
+                result["first"] = True
+                completion_ids(client, "tiny", prompts()[3] * 2, stream=False)
+            result["ended"] = "finished"
+        except openai.APIError as e:
+            result["ended"] = e
+        result["t"] = time.monotonic()
+
+    t = threading.Thread(target=request, daemon=True)
+    t.start()
+    assert wait_for(lambda: "first" in result, 30)
+    time.sleep(0.3)
+    victim_pid = rank_pids(service.proc.pid)[-1]
+    os.kill(victim_pid, signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(openai.APIError):
-        for _ in stream:
-            pass
-    assert time.monotonic() - t0 < 5
-    assert wait_for(lambda: '"healthy":false' in httpx.get(f"http://{cluster[-1].address}/health",
-                                                           trust_env=False).text.replace(" ", ""), 10)
+    t.join(30)
+    assert isinstance(result.get("ended"), openai.APIError), result
+    assert result["t"] - t0 < 5, f"the request ended {result['t'] - t0:.1f} s after the kill"
+    statuses = []
+    deadline = t0 + 60
+    while time.monotonic() < deadline:
+        statuses.append(health_of(service.address))
+        if health_pb2.HealthCheckResponse.NOT_SERVING in statuses and statuses[-1] == \
+                health_pb2.HealthCheckResponse.SERVING:
+            break
+        time.sleep(0.1)
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses, "never reported NOT_SERVING"
+    assert statuses[-1] == health_pb2.HealthCheckResponse.SERVING, f"not serving {time.monotonic() - t0:.0f} s later"
+    assert victim_pid not in rank_pids(service.proc.pid) and len(rank_pids(service.proc.pid)) == 2
+    # the router polls health and pairs with the rebuilt service again: the next request is exact
+    p = prompts()[2]
+    def all_healthy() -> bool:
+        body = httpx.get(f"http://{cluster[-1].address}/health", trust_env=False).json()
+        return all(e["healthy"] for e in body["prefill"] + body["decode"])
+
+    assert wait_for(all_healthy, 15)
+    assert completion_ids(client, "tiny", p, stream=True) == reference("tiny", p)
 
 
 @pytest.mark.timeout(300)

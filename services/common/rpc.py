@@ -17,7 +17,10 @@ GroupError, ServiceUnavailable               UNAVAILABLE (the health service say
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
+import time
 from concurrent import futures
 from typing import Callable, NoReturn
 
@@ -148,16 +151,67 @@ def start_server(add_servicers: Callable[[grpc.Server], None], service_names: li
     return server, bound, h
 
 
+REBUILD_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # between failed attempts to rebuild a rank group
+
+
 def serve_engine(kind: str, engine, make_service: Callable, add_servicer: Callable, service_name: str, config,
-                 max_workers: int, details: str, plane: InternalPlane | None = None):
+                 max_workers: int, details: str, plane: InternalPlane | None = None,
+                 make_engine: Callable[[], object] | None = None):
     """Start an engine-backed gRPC service: build the service around `engine`, bind
     ``config.host:config.port``, mark health SERVING. Returns ``(service, server, port, address,
     shutdown)``; ``shutdown(grace_s)`` is idempotent (health NOT_SERVING, service stopped, server
-    stopped, rank group closed). On a failed start the engine is closed."""
+    stopped, rank group closed). On a failed start the engine is closed.
+
+    Self-healing, with ``make_engine``: when the rank group fails (a rank died), the engine loop
+    fails what it holds at once and health goes NOT_SERVING; a supervisor thread then closes
+    the old group, builds a new engine (``make_engine()``, retried with back-off), hands it to
+    the service (``service.restart``) and marks health SERVING again. The new group has new
+    rank processes and new transfer engines (new sessions), and an empty reservation table: a
+    destination of the old group is refused as unknown."""
     health: list[Health] = []
     plane = plane or InternalPlane()
+    current = {"engine": engine}
+    done: list[bool] = []
+    lock = threading.Lock()
+
+    def heal(message: str) -> None:
+        t0 = time.monotonic()
+        old_loop = service.loop
+        old_loop._thread.join(30)  # it ends right after reporting the failure
+        try:
+            current["engine"].close()
+        except Exception:  # noqa: BLE001 — the group is broken; its processes are reaped anyway
+            logger.warning("%s: closing the failed rank group raised", kind, exc_info=True)
+        for attempt in itertools.count():
+            if done:
+                return
+            try:
+                new = make_engine()
+                break
+            except Exception:  # noqa: BLE001 — retried
+                wait = REBUILD_BACKOFF_S[min(attempt, len(REBUILD_BACKOFF_S) - 1)]
+                logger.exception("%s: rebuilding the rank group failed (attempt %d); again in %g s", kind,
+                                 attempt + 1, wait)
+                time.sleep(wait)
+        with lock:
+            if done:
+                new.close()
+                return
+            current["engine"] = new
+            service.restart(new)
+            health[0].set_serving(service.loop.failure is None)
+        logger.info("%s: rank group rebuilt in %.1f s after: %s; serving again", kind, time.monotonic() - t0,
+                    message)
+
+    def on_failure(message: str) -> None:
+        if health:
+            health[0].set_serving(False)
+        if make_engine is not None and not done:
+            logger.warning("%s: rank group failed (%s); rebuilding it", kind, message)
+            threading.Thread(target=heal, args=(message,), name=f"{kind}-rebuild", daemon=True).start()
+
     try:
-        service = make_service(on_failure=lambda msg: health and health[0].set_serving(False))
+        service = make_service(on_failure=on_failure)
         try:
             server, port, h = start_server(lambda s: add_servicer(service, s), [service_name], config.host,
                                            config.port, max_workers, plane, config.health_port)
@@ -173,16 +227,16 @@ def serve_engine(kind: str, engine, make_service: Callable, add_servicer: Callab
     closed = ", ".join(n for n, on in (("token", plane.token), ("TLS", plane.tls), ("mutual TLS", plane.ca)) if on)
     extra = f"; health-only plaintext port {server.health_port}" if config.health_port is not None else ""
     logger.info("serving %s on %s (%s; internal plane: %s%s)", kind, advertised, details, closed or "open", extra)
-    done = []
 
     def shutdown(grace_s: float = 2.0) -> None:
-        if done:
-            return
-        done.append(True)
+        with lock:
+            if done:
+                return
+            done.append(True)
         h.set_serving(False)
         service.stop()
         server.stop(grace_s).wait()
-        engine.close()
+        current["engine"].close()
         logger.info("%s service on %s stopped", kind, advertised)
 
     return service, server, port, advertised, shutdown

@@ -68,12 +68,19 @@ def _error(code: int, message: str) -> decode_pb2.GenerateEvent:
 
 class DecodeService(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: DCPDecodeEngine, config: DecodeConfig, on_failure: Callable[[str], None]):
-        self.engine, self.config = engine, config
+        self.config = config
         self.address = ""  # host:port, set once bound; goes into every KvDestination
         self.cfg = engine.cfg  # immutable: handlers validate against it without the loop
         self._streams: dict[int, tuple[Sequence, queue.SimpleQueue]] = {}  # loop thread only
         self._on_failure = on_failure
-        self.loop = EngineLoop(engine, "decode", config.max_queue, on_failure=self._failed,
+        self.restart(engine)
+
+    def restart(self, engine: DCPDecodeEngine) -> None:
+        """Serve with ``engine`` (at start, and after a rebuild of a failed rank group: the old
+        loop has ended, its streams and reservations with it)."""
+        self._streams = {}
+        self.engine = engine
+        self.loop = EngineLoop(engine, "decode", self.config.max_queue, on_failure=self._failed,
                                has_work=lambda e: e.has_work, tick=self._step,
                                idle=lambda e: e.reservations.expire(), snapshot=_snapshot)
 
@@ -195,10 +202,12 @@ def serve_decode(config: DecodeConfig, engine: DCPDecodeEngine | None = None):
     caller supply a ready engine (tests); it is closed by ``shutdown`` all the same."""
     plane = rpc.service_plane(config)  # a bad credentials file fails before the model loads
     use_port_range(config.kv_port_range)  # before the rank processes start their engines
-    engine = engine or DCPDecodeEngine(**config.engine_kwargs)
+    make_engine = None if engine is not None else (lambda: DCPDecodeEngine(**config.engine_kwargs))
+    engine = engine or make_engine()
     service, server, port, service_address, shutdown = rpc.serve_engine(
         "decode", engine, lambda on_failure: DecodeService(engine, config, on_failure=on_failure),
         decode_pb2_grpc.add_DecodeServicer_to_server, SERVICE_NAME, config, MAX_WORKERS,
-        f"dcp={config.dcp}, {config.dcp_comm}, {config.indexer} index, model {config.model}, dtype {engine.dtype}", plane)
+        f"dcp={config.dcp}, {config.dcp_comm}, {config.indexer} index, model {config.model}, dtype {engine.dtype}",
+        plane, make_engine)
     service.address = service_address
     return server, port, shutdown

@@ -118,8 +118,15 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.engine, self.config = engine, config
         self.cfg, self.fingerprint = engine.cfg, engine.fingerprint  # immutable: read by handlers
         self.peers = DecodePeers(plane or InternalPlane())
-        self.loop = EngineLoop(engine, "prefill", config.max_queue, on_failure=on_failure, snapshot=_snapshot,
-                               has_work=lambda e: e.has_work or bool(e.pending), tick=_tick,
+        self._on_failure = on_failure
+        self.restart(engine)
+
+    def restart(self, engine: CPPrefillEngine) -> None:
+        """Serve with ``engine`` (at start, and after a rebuild of a failed rank group: its new
+        ranks have new transfer engines, so no session of the old group is reused)."""
+        self.engine = engine
+        self.loop = EngineLoop(engine, "prefill", self.config.max_queue, on_failure=self._on_failure,
+                               snapshot=_snapshot, has_work=lambda e: e.has_work or bool(e.pending), tick=_tick,
                                on_stop=_fail_pending)
 
     def _prefill(self, engine: CPPrefillEngine, prompt: list[int], params, dest: KvDestination, address: str,
@@ -199,10 +206,11 @@ def serve_prefill(config: PrefillConfig, engine: CPPrefillEngine | None = None):
     UNAVAILABLE, the server stops, the rank group exits."""
     plane = rpc.service_plane(config)  # a bad credentials file fails before the model loads
     use_port_range(config.kv_port_range)  # before the rank processes start their engines
-    engine = engine or CPPrefillEngine(**config.engine_kwargs)
+    make_engine = None if engine is not None else (lambda: CPPrefillEngine(**config.engine_kwargs))
+    engine = engine or make_engine()
     _, server, port, _, shutdown = rpc.serve_engine(
         "prefill", engine, lambda on_failure: PrefillService(engine, config, on_failure=on_failure, plane=plane),
         prefill_pb2_grpc.add_PrefillServicer_to_server, SERVICE_NAME, config, config.max_queue + 16,
         f"cp={config.cp}, {config.strategy}{', layer split' if config.layer_split else ''}, model {config.model}, "
-        f"dtype {engine.dtype}", plane)
+        f"dtype {engine.dtype}", plane, make_engine)
     return server, port, shutdown
