@@ -104,9 +104,10 @@ class Client:
 def services():
     pre = dec = None
     try:
-        dec = serve_decode(DecodeConfig(dcp=2, port=0, max_cache_tokens=8192, lease_s=5))
-        pre = serve_prefill(PrefillConfig(cp=2, port=0, max_cache_tokens=8192))
+        dec = serve_decode(DecodeConfig(dcp=2, port=0, max_cache_tokens=8192, lease_s=5, metrics_port=0))
+        pre = serve_prefill(PrefillConfig(cp=2, port=0, max_cache_tokens=8192, metrics_port=0))
         client = Client(pre[1], dec[1])
+        client.metrics_urls = [f"http://127.0.0.1:{s[0].metrics_port}/metrics" for s in (pre, dec)]
         yield client
         client.close()
     finally:
@@ -156,6 +157,38 @@ def test_full_protocol_matches_reference(services, reference):
 
 
 @pytest.mark.timeout(60)
+def test_each_service_serves_its_own_metrics_with_per_rank_rows(services, reference):
+    import httpx
+
+    prompt = prompts()[0]
+    assert services.run(prompt)[0] == expected(reference, prompt)
+    pre, dec = (httpx.get(u, trust_env=False).text for u in services.metrics_urls)
+
+    def value(text, name, **labels):
+        sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        m = re.search(rf"^{name}{{{sel}}} (\S+)$" if sel else rf"^{name} (\S+)$", text, re.M)
+        assert m, f"{name}{labels} missing"
+        return float(m.group(1))
+
+    assert value(pre, "cpserve_prefill_kv_transfer_bytes_total") > 0
+    assert value(pre, "cpserve_prefill_kv_transfer_seconds_total") > 0
+    assert value(pre, "cpserve_prefill_step_seconds_count") >= 1
+    assert value(dec, "cpserve_decode_step_seconds_count") >= MAX_NEW - 1
+    assert value(dec, "cpserve_decode_serving") == 1 and value(pre, "cpserve_prefill_serving") == 1
+    for text, kind in ((pre, "prefill"), (dec, "decode")):
+        assert value(text, f"cpserve_{kind}_queue_depth") == 0
+        assert value(text, f"cpserve_{kind}_cache_rows_free", rank=1) > 0
+    # each decode rank reports its own rows: 5 reserved tokens are 3 on rank 0, 2 on rank 1
+    dest = services.reserve(5, 1)
+    try:
+        assert list(services.status().rows_filled) == [3, 2]
+        dec = httpx.get(services.metrics_urls[1], trust_env=False).text
+        assert (value(dec, "cpserve_decode_cache_rows_filled", rank=0),
+                value(dec, "cpserve_decode_cache_rows_filled", rank=1)) == (3, 2)
+    finally:
+        services.decode.Abort(decode_pb2.ReservationRef(reservation_id=dest.reservation_id), timeout=RPC_S)
+
+
 def test_prefill_reports_seed_and_transfer(services):
     prompt = prompts()[0]
     dest = services.reserve(len(prompt))

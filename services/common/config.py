@@ -58,6 +58,8 @@ class _ServiceConfig(_InternalPlaneConfig):
     max_queue: int = Field(64, ge=1)  # requests waiting for the engine; more → RESOURCE_EXHAUSTED
     # a plaintext listener serving only grpc.health.v1 (for probes that cannot speak TLS); 0: a free port
     health_port: int | None = Field(None, ge=0, le=65535)
+    # HTTP /metrics of this service (rows per rank, queue depth, step time, KV transfer); 0: a free port
+    metrics_port: int | None = Field(None, ge=0, le=65535)
 
     @field_validator("kv_port_range")
     @classmethod

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -47,6 +48,7 @@ class EngineLoop:
         self._stopping = False
         self._closed = False  # set (under _lock) when the thread ends; nothing queued after is run
         self.snapshot = snapshot(engine)
+        self.observe_tick: Callable[[float], None] | None = None  # e.g. a step-time histogram
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -100,7 +102,10 @@ class EngineLoop:
                 if self._stopping:
                     break
                 if self._has_work(self.engine):
+                    t0 = time.perf_counter()
                     self._tick(self.engine)
+                    if self.observe_tick is not None:
+                        self.observe_tick(time.perf_counter() - t0)
                 self.snapshot = self._make_snapshot(self.engine)
         except GroupError as e:
             self._fail(str(e).splitlines()[0])

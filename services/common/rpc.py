@@ -199,6 +199,8 @@ def serve_engine(kind: str, engine, make_service: Callable, add_servicer: Callab
                 return
             current["engine"] = new
             service.restart(new)
+            if metrics is not None:
+                service.loop.observe_tick = metrics.step_seconds.observe
             health[0].set_serving(service.loop.failure is None)
         logger.info("%s: rank group rebuilt in %.1f s after: %s; serving again", kind, time.monotonic() - t0,
                     message)
@@ -223,9 +225,24 @@ def serve_engine(kind: str, engine, make_service: Callable, add_servicer: Callab
         raise
     health.append(h)
     advertised = address(config.advertised_host, port)
+    metrics = None
+    if config.metrics_port is not None:
+        from services.common.service_metrics import ServiceMetrics
+
+        metrics = service.metrics = ServiceMetrics(kind, service.metrics_state)
+        service.loop.observe_tick = metrics.step_seconds.observe
+        try:
+            server.metrics_port = metrics.serve(config.host, config.metrics_port)
+        except OSError as e:
+            service.stop()
+            server.stop(0)
+            engine.close()
+            raise OSError(f"metrics_port: cannot bind {address(config.host, config.metrics_port)}: {e}") from None
     h.set_serving(service.loop.failure is None)
     closed = ", ".join(n for n, on in (("token", plane.token), ("TLS", plane.tls), ("mutual TLS", plane.ca)) if on)
     extra = f"; health-only plaintext port {server.health_port}" if config.health_port is not None else ""
+    if metrics is not None:
+        extra += f"; metrics on http://{address(config.host, server.metrics_port)}/metrics"
     logger.info("serving %s on %s (%s; internal plane: %s%s)", kind, advertised, details, closed or "open", extra)
 
     def shutdown(grace_s: float = 2.0) -> None:
@@ -236,6 +253,8 @@ def serve_engine(kind: str, engine, make_service: Callable, add_servicer: Callab
         h.set_serving(False)
         service.stop()
         server.stop(grace_s).wait()
+        if metrics is not None:
+            metrics.close()
         current["engine"].close()
         logger.info("%s service on %s stopped", kind, advertised)
 

@@ -41,16 +41,27 @@ POLL_S = 0.5  # how often a waiting stream handler checks that its client is sti
 
 @dataclass(frozen=True)
 class _Snapshot:
-    rows_used: int  # per rank: a page spans page_size rows on every rank
-    rows_free: int
+    rows_used: int  # per rank (the same on every rank: a page spans page_size rows on each)
+    rows_free: int  # per rank
+    rows_total: int  # per rank
+    rows_filled: tuple[int, ...]  # each rank's own: rows holding a prompt or output token there
     running: int
     reservations: int
 
 
+def rows_per_rank(num_tokens: int, dcp: int) -> list[int]:
+    """Rows a request of ``num_tokens`` tokens fills on each rank: token p lives on rank p mod dcp."""
+    return [max(0, (num_tokens - r + dcp - 1) // dcp) for r in range(dcp)]
+
+
 def _snapshot(engine: DCPDecodeEngine) -> _Snapshot:
-    alloc, page = engine.allocator, engine.page_size
-    return _Snapshot((alloc.num_pages - alloc.num_free) * page, alloc.num_free * page,
-                     len(engine.scheduler.running) + len(engine.scheduler.waiting), len(engine.reservations.active))
+    alloc, page, dcp = engine.allocator, engine.page_size, engine.dcp
+    filled = [0] * dcp
+    seqs = [len(s.prompt_ids) + len(s.output_ids) for s in (*engine.scheduler.running, *engine.scheduler.waiting)]
+    for n in seqs + [r.num_tokens for r in engine.reservations.active.values()]:
+        filled = [f + k for f, k in zip(filled, rows_per_rank(n, dcp))]
+    return _Snapshot((alloc.num_pages - alloc.num_free) * page, alloc.num_free * page, alloc.num_pages * page,
+                     tuple(filled), len(seqs), len(engine.reservations.active))
 
 
 def _token(token: int, index: int) -> decode_pb2.GenerateEvent:
@@ -184,11 +195,19 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             if event.WhichOneof("event") != "token":
                 return
 
+    def metrics_state(self) -> dict:
+        """What /metrics reports (services/common/service_metrics.py), from the loop's snapshot."""
+        s, dcp = self.loop.snapshot, self.config.dcp
+        return {"rows_used": [s.rows_used] * dcp, "rows_free": [s.rows_free] * dcp, "rows_filled": list(s.rows_filled),
+                "queue_depth": self.loop.queue_depth, "serving": int(self.loop.failure is None)}
+
     def Status(self, request, context):
         s = self.loop.snapshot
         dcp = self.config.dcp
         return decode_pb2.DecodeStatus(model=self.config.model, dcp=dcp, rows_used=[s.rows_used] * dcp,
-                                       rows_free=[s.rows_free] * dcp, running=s.running,
+                                       rows_free=[s.rows_free] * dcp, rows_total=[s.rows_total] * dcp,
+                                       rows_filled=list(s.rows_filled),
+                                       running=s.running,
                                        reservations=s.reservations, queue_depth=self.loop.queue_depth,
                                        serving=self.loop.failure is None)
 

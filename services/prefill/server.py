@@ -119,6 +119,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.cfg, self.fingerprint = engine.cfg, engine.fingerprint  # immutable: read by handlers
         self.peers = DecodePeers(plane or InternalPlane())
         self._on_failure = on_failure
+        self.metrics = None  # ServiceMetrics, set by serve_engine when metrics_port is given
         self.restart(engine)
 
     def restart(self, engine: CPPrefillEngine) -> None:
@@ -183,10 +184,20 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 first_token=seq.output_ids[0], seed=seq.seed, prefill_ms=(marks[0] - t0) * 1e3,
                 transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=_write_seconds(stats) * 1e3,
                 cached_tokens=seq.num_cached)
+            if self.metrics is not None:
+                self.metrics.transfer_bytes.inc(response.transfer_bytes)
+                self.metrics.transfer_seconds.inc(response.transfer_ms / 1e3)
         except Exception as e:
             rpc.abort(context, e)
         logger.debug("prefill: request %r → first token %d", request.request_id, response.first_token)
         return response
+
+    def metrics_state(self) -> dict:
+        """What /metrics reports: every CP rank keeps the same rows (layer split: for its layers)."""
+        used, free = self.loop.snapshot
+        cp = self.config.cp
+        return {"rows_used": [used] * cp, "rows_free": [free] * cp, "queue_depth": self.loop.queue_depth,
+                "serving": int(self.loop.failure is None)}
 
     def Status(self, request, context):
         used, free = self.loop.snapshot

@@ -109,11 +109,13 @@ class AbortResponse(_message.Message):
     def __init__(self, freed: _Optional[bool] = ...) -> None: ...
 
 class DecodeStatus(_message.Message):
-    __slots__ = ("model", "dcp", "rows_used", "rows_free", "running", "reservations", "queue_depth", "serving")
+    __slots__ = ("model", "dcp", "rows_used", "rows_free", "rows_total", "rows_filled", "running", "reservations", "queue_depth", "serving")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DCP_FIELD_NUMBER: _ClassVar[int]
     ROWS_USED_FIELD_NUMBER: _ClassVar[int]
     ROWS_FREE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FILLED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -122,8 +124,10 @@ class DecodeStatus(_message.Message):
     dcp: int
     rows_used: _containers.RepeatedScalarFieldContainer[int]
     rows_free: _containers.RepeatedScalarFieldContainer[int]
+    rows_total: _containers.RepeatedScalarFieldContainer[int]
+    rows_filled: _containers.RepeatedScalarFieldContainer[int]
     running: int
     reservations: int
     queue_depth: int
     serving: bool
-    def __init__(self, model: _Optional[str] = ..., dcp: _Optional[int] = ..., rows_used: _Optional[_Iterable[int]] = ..., rows_free: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., reservations: _Optional[int] = ..., queue_depth: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., dcp: _Optional[int] = ..., rows_used: _Optional[_Iterable[int]] = ..., rows_free: _Optional[_Iterable[int]] = ..., rows_total: _Optional[_Iterable[int]] = ..., rows_filled: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., reservations: _Optional[int] = ..., queue_depth: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...

@@ -93,11 +93,12 @@ class DecodeLoad:
     rows_free: tuple[int, ...]
     queue_depth: int
     serving: bool = True
+    rows_total: tuple[int, ...] = ()  # per rank
 
     @property
     def capacity_tokens(self) -> int:
         """Token p uses one row on rank p mod C, so the cache holds the rows of all ranks."""
-        return sum(self.rows_used) + sum(self.rows_free)
+        return sum(self.rows_total) if self.rows_total else sum(self.rows_used) + sum(self.rows_free)
 
 
 class PrefillClient(ABC):
@@ -245,4 +246,4 @@ class GrpcDecodeClient(_GrpcService, DecodeClient):
             s = await self.stub.Status(common_pb2.StatusRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise _error(e, self.address) from None
-        return DecodeLoad(tuple(s.rows_used), tuple(s.rows_free), s.queue_depth, s.serving)
+        return DecodeLoad(tuple(s.rows_used), tuple(s.rows_free), s.queue_depth, s.serving, tuple(s.rows_total))
