@@ -4,6 +4,10 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Where torch comes from: empty = pip's own configuration (here, the CPU wheel on disk; on a
+# plain Linux machine PyPI's torch, a CUDA build of several GB). For the CPU build anywhere:
+#   make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
 
 .PHONY: setup up test test-local bench clean sysdeps
 
@@ -18,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(MAKE) sysdeps
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 

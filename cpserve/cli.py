@@ -120,7 +120,11 @@ def cmd_decode(args, parser) -> int:
 
 
 def cmd_demo(args, parser) -> int:
-    """One prompt through the reference, a CP prefill group and a DCP decode group, with timings."""
+    """One prompt through the reference, then through a CP prefill group whose ranks write the
+    prompt's KV over Mooncake (TCP) straight into a DCP decode group's reserved rows — the
+    hand-off the services use — which then decodes; with timings."""
+    import time
+
     from engine.decode_engine import DCPDecodeEngine
     from engine.model.sampler import SamplingParams
     from engine.prefill_engine import CPPrefillEngine
@@ -132,15 +136,24 @@ def cmd_demo(args, parser) -> int:
     print(f"model {ref.model_dir} ({ref.cfg.model_type}, {ref.cfg.num_layers} layers); prompt {len(ids)} tokens")
     seq = ref.generate([ids], params)[0]
     print(f"reference      : {seq.output_ids[:12]}...  TTFT {seq.ttft_ms:7.1f} ms  TPOT {seq.tpot_ms:6.2f} ms")
-    with CPPrefillEngine(args.model, cp=args.cp) as cp:
-        first = cp.generate([ids], SamplingParams(max_new_tokens=1, stop_token_ids=()))[0]
-    print(f"prefill CP={args.cp}   : first token {first.output_ids[0]} "
-          f"({'matches' if first.output_ids[0] == seq.output_ids[0] else 'DIFFERS from'} the reference)  "
-          f"TTFT {first.ttft_ms:7.1f} ms")
-    with DCPDecodeEngine(args.model, dcp=args.dcp) as dcp:
-        dec = dcp.generate([ids], params)[0]
-    same = dec.output_ids == seq.output_ids
-    print(f"decode DCP={args.dcp}   : {dec.output_ids[:12]}...  TPOT {dec.tpot_ms:6.2f} ms  "
+    with CPPrefillEngine(args.model, cp=args.cp, kv_transport="tcp") as pre, \
+            DCPDecodeEngine(args.model, dcp=args.dcp, kv_transport="tcp", reference_prefill=False) as dec:
+        t0 = time.perf_counter()
+        dest = dec.reserve(len(ids), params.max_new_tokens)
+        first = pre.prefill_to(ids, params, dest, before_write=lambda: dec.begin_write(dest.reservation_id),
+                               after_write=lambda: dec.end_write(dest.reservation_id))
+        ttft = (time.perf_counter() - t0) * 1e3
+        sent = sum(r["bytes"] for r in pre.transfer_stats or [])
+        print(f"prefill CP={args.cp}   : first token {first.output_ids[0]} "
+              f"({'matches' if first.output_ids[0] == seq.output_ids[0] else 'DIFFERS from'} the reference)  "
+              f"TTFT {ttft:7.1f} ms, {sent / 1e6:.2f} MB of KV written to the decode ranks")
+        out = dec.commit(dest.reservation_id, ids, params, first.seed, first.output_ids[0])
+        t1 = time.perf_counter()
+        while dec.has_work:
+            dec.step()
+        tpot = (time.perf_counter() - t1) * 1e3 / max(len(out.output_ids) - 1, 1)
+    same = out.output_ids == seq.output_ids
+    print(f"decode DCP={args.dcp}   : {out.output_ids[:12]}...  TPOT {tpot:6.2f} ms  "
           f"({'equal to' if same else 'DIFFERENT from'} the reference)")
     print(f"text: {tokenizer_from_args(args).decode(seq.output_ids)!r}")
     return 0 if same else 1

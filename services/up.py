@@ -143,8 +143,25 @@ def api_key_of(args: argparse.Namespace) -> str | None:
 
 
 def served_name(args: argparse.Namespace) -> str:
-    """The model name the router serves (what requests must send as ``model``)."""
-    return args.served_model_name or args.model or "tiny"
+    """The model name the router serves (what requests must send as ``model``): the flags, else
+    the --config file's router section (served_model_name, then model), else its prefill
+    section's model, else "tiny"."""
+    if args.served_model_name or args.model:
+        return args.served_model_name or args.model
+    if args.config:
+        import yaml
+
+        try:
+            doc = yaml.safe_load(open(args.config)) or {}
+        except (OSError, yaml.YAMLError):
+            doc = {}  # the services report the bad file themselves
+        if isinstance(doc, dict):
+            router = doc.get("router") if isinstance(doc.get("router"), dict) else {}
+            prefill = doc.get("prefill") if isinstance(doc.get("prefill"), dict) else {}
+            name = router.get("served_model_name") or router.get("model") or prefill.get("model")
+            if name:
+                return str(name)
+    return "tiny"
 
 
 def _flags(pairs: list[tuple[str, object]]) -> list[str]:

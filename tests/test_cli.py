@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +179,27 @@ def test_tiny_tokenizer_keeps_byte_ids_and_loads_with_auto_tokenizer():
     rendered = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     assert rendered == "<bos><|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
     assert tok.apply_chat_template(chat) == [0] + [b + 3 for b in rendered[len("<bos>"):].encode()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_demo_hands_the_cp_prefill_kv_to_the_dcp_decode_over_mooncake():
+    done = subprocess.run([str(CPSERVE), "demo", "--max-new-tokens", "4"], capture_output=True, text=True,
+                          timeout=280)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    m = re.search(r"prefill CP=2 .*\(matches the reference\).*? ([\d.]+) MB of KV written to the decode ranks",
+                  done.stdout)
+    assert m and float(m.group(1)) > 0, done.stdout
+    assert "equal to the reference" in done.stdout
+
+
+def test_cpserve_up_demo_uses_the_model_name_of_its_config(tmp_path):
+    from services.up import cluster_args, served_name
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("prefill:\n  model: /models/GLM\nrouter:\n  model: /models/GLM\n  served_model_name: glm\n")
+    assert served_name(cluster_args(["--config", str(cfg)])) == "glm"
+    cfg.write_text("prefill:\n  model: /models/GLM\ndecode:\n  model: /models/GLM\n")
+    assert served_name(cluster_args(["--config", str(cfg)])) == "/models/GLM"
+    assert served_name(cluster_args(["--config", str(cfg), "--served-model-name", "x"])) == "x"
+    assert served_name(cluster_args([])) == "tiny"
