@@ -87,7 +87,6 @@ CONFIGS = [  # model, C, exchange, indexer, replicate_q_proj
     ("tiny", 2, "ag_rs", "split", True),
     ("tiny", 4, "a2a", "split", False),
     ("tiny-v3", 2, "ag_rs", "copied", False),
-    ("tiny-v3", 3, "a2a", "copied", True),
     ("six", 3, "a2a", "split", False),
     ("six", 3, "ag_rs", "copied", True),
 ]

@@ -255,7 +255,7 @@ def test_cpserve_up_passes_the_serving_flags_to_its_services(monkeypatch):
     started = {}
 
     class Fake:
-        def __init__(self, kind, argv, quiet=False):
+        def __init__(self, kind, argv, quiet=False, env=None):
             started[kind] = argv
             self.kind = kind
 

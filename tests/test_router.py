@@ -196,6 +196,17 @@ def test_pick_pair_least_loaded_healthy_and_round_robin():
     assert {pick_pair(idle_p, idle_d, set(), turn)[0].address for turn in range(2)} == {"p0", "p1"}
 
 
+def test_pick_pair_uses_the_queue_depth_and_free_rows_the_services_report():
+    """Other routers' work shows only in what the services report: a prefill with a polled
+    queue loses to an idle one; between equally loaded decodes, the one with more free rows wins."""
+    p = [Endpoint("prefill", "p0", healthy=True, queue_depth=4), Endpoint("prefill", "p1", healthy=True)]
+    d = [Endpoint("decode", "d0", healthy=True, rows_free=100), Endpoint("decode", "d1", healthy=True, rows_free=900)]
+    for turn in range(4):
+        assert [x.address for x in pick_pair(p, d, set(), turn)] == ["p1", "d1"]
+    d[1].queue_depth = 2  # a busy decode loses, whatever its free rows
+    assert [x.address for x in pick_pair(p, d, set())] == ["p1", "d0"]
+
+
 def _run_text(text: str, stop=(), stop_ids=frozenset()) -> tuple[list[str], TextAssembler]:
     asm = TextAssembler(load_tokenizer(MODEL), tuple(stop), stop_ids)
     deltas = [asm.push(b + 3) for b in text.encode()]

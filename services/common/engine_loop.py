@@ -87,6 +87,10 @@ class EngineLoop:
         self._commands.put(None)
         self._thread.join(timeout_s)
 
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait for the loop thread to end (after a stop or a failure)."""
+        self._thread.join(timeout_s)
+
     def _check_usable(self) -> None:
         if self.failure is not None:
             raise ServiceUnavailable(f"{self.name} service is not serving: {self.failure}")

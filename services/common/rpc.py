@@ -175,9 +175,16 @@ def serve_engine(kind: str, engine, make_service: Callable, add_servicer: Callab
     lock = threading.Lock()
 
     def heal(message: str) -> None:
+        try:
+            rebuild(message)
+        finally:
+            healing.clear()
+        if service.loop.failure is not None:  # the new group failed too (its report found us busy)
+            start_healing(service.loop.failure)
+
+    def rebuild(message: str) -> None:
         t0 = time.monotonic()
-        old_loop = service.loop
-        old_loop._thread.join(30)  # it ends right after reporting the failure
+        service.loop.join(30)  # it ends right after reporting the failure
         try:
             current["engine"].close()
         except Exception:  # noqa: BLE001 — the group is broken; its processes are reaped anyway
@@ -205,12 +212,20 @@ def serve_engine(kind: str, engine, make_service: Callable, add_servicer: Callab
         logger.info("%s: rank group rebuilt in %.1f s after: %s; serving again", kind, time.monotonic() - t0,
                     message)
 
+    healing: list[bool] = []  # one rebuild at a time
+
+    def start_healing(message: str) -> None:
+        with lock:
+            if make_engine is None or done or healing:
+                return
+            healing.append(True)
+        logger.warning("%s: rank group failed (%s); rebuilding it", kind, message)
+        threading.Thread(target=heal, args=(message,), name=f"{kind}-rebuild", daemon=True).start()
+
     def on_failure(message: str) -> None:
-        if health:
+        if health:  # (a failure during start-up is picked up below, once the service exists)
             health[0].set_serving(False)
-        if make_engine is not None and not done:
-            logger.warning("%s: rank group failed (%s); rebuilding it", kind, message)
-            threading.Thread(target=heal, args=(message,), name=f"{kind}-rebuild", daemon=True).start()
+            start_healing(message)
 
     try:
         service = make_service(on_failure=on_failure)
@@ -239,6 +254,8 @@ def serve_engine(kind: str, engine, make_service: Callable, add_servicer: Callab
             engine.close()
             raise OSError(f"metrics_port: cannot bind {address(config.host, config.metrics_port)}: {e}") from None
     h.set_serving(service.loop.failure is None)
+    if service.loop.failure is not None:
+        start_healing(service.loop.failure)
     closed = ", ".join(n for n, on in (("token", plane.token), ("TLS", plane.tls), ("mutual TLS", plane.ca)) if on)
     extra = f"; health-only plaintext port {server.health_port}" if config.health_port is not None else ""
     if metrics is not None:

@@ -54,8 +54,10 @@ class HealthMonitor:
             else:
                 healthy, reason = load.serving, "Status: not serving"
                 self.metrics.queue_depth.labels(e.kind, e.address).set(load.queue_depth)
+                e.queue_depth = load.queue_depth
                 if e.kind == "decode":
                     e.capacity_tokens = load.capacity_tokens
+                    e.rows_free = sum(load.rows_free)
                     for rank, (used, free) in enumerate(zip(load.rows_used, load.rows_free)):
                         self.metrics.rows_used.labels(e.address, str(rank)).set(used)
                         self.metrics.rows_free.labels(e.address, str(rank)).set(free)

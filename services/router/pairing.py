@@ -1,8 +1,13 @@
 """Which (prefill, decode) pair takes a request: least outstanding work among healthy services.
 
 The router's only state about a service is here: whether it is healthy (and why not), how many
-of this router's requests it is working on, and — for decode services — how many tokens its
-cache holds. The health monitor writes health and capacity; the dispatcher counts work.
+of this router's requests it is working on, what the service itself last reported (its queue
+depth, which counts every router's requests, and — for decode services — its free cache rows
+and how many tokens its cache holds). The health monitor writes health and the polled figures
+every ``health_interval_s``; the dispatcher counts work.
+
+Order of preference: least outstanding work (this router's in-flight requests plus the queues
+the services reported), then the decode service with the most free rows, then round-robin.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ class Endpoint:
     reason: str = "not checked yet"  # why it is unhealthy ("" when healthy)
     in_flight: int = 0  # this router's requests on it (prefill: during Prefill; decode: Reserve to end of stream)
     capacity_tokens: int | None = None  # decode: rows on all ranks together, from Status
+    queue_depth: int = 0  # requests waiting in the service's engine queue, from Status (every router's)
+    rows_free: int | None = None  # decode: free rows on all ranks together, from Status
 
     def mark(self, healthy: bool, reason: str = "") -> None:
         self.healthy, self.reason = healthy, "" if healthy else (reason or "unhealthy")
@@ -35,8 +42,12 @@ def pick_pair(prefills: list[Endpoint], decodes: list[Endpoint], exclude: set[tu
     if not pairs:
         return None
     n = len(pairs)
-    best = min(range(n), key=lambda i: (pairs[i][0].in_flight + pairs[i][1].in_flight, (i - turn) % n))
-    return pairs[best]
+
+    def key(i: int):
+        p, d = pairs[i]
+        return (p.in_flight + p.queue_depth + d.in_flight + d.queue_depth, -(d.rows_free or 0), (i - turn) % n)
+
+    return pairs[min(range(n), key=key)]
 
 
 class Cluster:
