@@ -82,7 +82,7 @@ def cmd_prefill(args, parser) -> int:
     t0 = time.perf_counter()
     with CPPrefillEngine(args.model, cp=args.cp, strategy=args.strategy, layer_split=args.layer_split,
                          dtype=args.dtype, chunk_size=args.chunk_size, threads_per_rank=args.threads_per_rank,
-                         max_cache_tokens=args.max_cache_tokens) as engine:
+                         max_cache_tokens=args.max_cache_tokens, moe_parallel=args.moe_parallel) as engine:
         start_s = time.perf_counter() - t0
         ids = prompt_ids_from_args(args, tokenizer_from_args(args), parser)
         seq = engine.generate([ids], SamplingParams(max_new_tokens=1, stop_token_ids=()))[0]
@@ -108,7 +108,8 @@ def cmd_decode(args, parser) -> int:
 
     with DCPDecodeEngine(args.model, dcp=args.dcp, exchange=args.dcp_comm, indexer=args.indexer,
                          replicate_q_proj=args.replicate_q_proj, dtype=args.dtype,
-                         threads_per_rank=args.threads_per_rank, max_cache_tokens=args.max_cache_tokens) as engine:
+                         threads_per_rank=args.threads_per_rank, max_cache_tokens=args.max_cache_tokens,
+                         moe_parallel=args.moe_parallel, kv_cache_memory=args.kv_cache_memory) as engine:
         ids = prompt_ids_from_args(args, tokenizer_from_args(args), parser)
         seq = engine.generate([ids], sampling_from_args(args))[0]
         memory = engine.group.call("memory")
@@ -167,6 +168,11 @@ def cmd_make_tiny(args, parser) -> int:
     return 0
 
 
+def add_moe_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--moe-parallel", default="ep", choices=["ep", "replicate"],
+                   help="routed experts split across the ranks (ep, default) or held whole by each (replicate)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cpserve", description="Disaggregated prefill/decode serving with context parallelism")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=2, help="context-parallel ranks")
     p.add_argument("--strategy", default="interleave", choices=["interleave", "zigzag"])
     p.add_argument("--layer-split", action="store_true", help="each rank keeps only its range of layers")
+    add_moe_parallel_arg(p)
     p.add_argument("--chunk-size", type=int, default=4096)
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--max-cache-tokens", type=int, default=1 << 16)
@@ -200,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dcp-comm", default="a2a", choices=["a2a", "ag_rs"], help="attention output exchange")
     p.add_argument("--indexer", default="copied", choices=["copied", "split"], help="DSA index placement")
     p.add_argument("--replicate-q-proj", action="store_true", help="full query projection on every rank")
+    add_moe_parallel_arg(p)
+    p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                   help="cache bytes per rank, e.g. 512MiB (overrides --max-cache-tokens)")
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--max-cache-tokens", type=int, default=1 << 16)
     p.add_argument("--json", action="store_true")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from engine.cache.capacity import pages_in_budget, parse_bytes
 from engine.cache.pool import KVPool
 from engine.cache.slots import pages_needed
 from engine.model.loader import load_model, parse_dtype, resolve_dtype
 from engine.model.tiny import resolve_model_dir
+from engine.parallel.expert import check_moe_parallel
 from engine.parallel.group import WorkerGroup
 from engine.plan import StepPlan
 from engine.runner import LocalRunner
@@ -54,7 +56,7 @@ class DCPDecodeEngine(Engine):
                  record_logits: bool = False, trace: bool = False, reference_prefill: bool = True,
                  kv_transport: str | None = None, kv_host: str = "127.0.0.1", lease_s: float = 30.0,
                  write_lease_s: float = 60.0,
-                 generation_config: str = "auto"):
+                 generation_config: str = "auto", moe_parallel: str = "ep", kv_cache_memory: int | str | None = None):
         from engine.model.config import ModelConfig
 
         self.model_dir = resolve_model_dir(model)
@@ -63,11 +65,16 @@ class DCPDecodeEngine(Engine):
         lm = load_model(self.model_dir, dtype) if reference_prefill else None
         if dcp < 1 or self.cfg.num_heads % dcp:
             raise ValueError(f"dcp: {dcp} must be >= 1 and divide the model's {self.cfg.num_heads} attention heads")
-        num_pages = pages_needed(max_cache_tokens, page_size, dcp)
+        check_moe_parallel(moe_parallel)
+        if kv_cache_memory is not None:
+            num_pages = pages_in_budget(self.cfg, parse_bytes(kv_cache_memory, "kv_cache_memory"), dtype, page_size,
+                                        dcp, indexer)
+        else:
+            num_pages = pages_needed(max_cache_tokens, page_size, dcp)
         rows_per_rank = num_pages * page_size
         self.group = WorkerGroup(dcp, "engine.parallel.dcp:DecodeRank",
                                  (str(self.model_dir), dtype, rows_per_rank, exchange, indexer, replicate_q_proj,
-                                  kv_transport, kv_host),
+                                  kv_transport, kv_host, moe_parallel),
                                  threads_per_rank=threads_per_rank, name="decode")
         prefill = LocalRunner(lm, KVPool(self.cfg, rows_per_rank * dcp, parse_dtype(dtype))) if lm else None
         self.group.ready()

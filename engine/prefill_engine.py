@@ -17,6 +17,7 @@ from engine.cache.slots import pages_needed
 from engine.model.config import ModelConfig
 from engine.model.loader import resolve_dtype
 from engine.model.tiny import resolve_model_dir
+from engine.parallel.expert import check_moe_parallel
 from engine.parallel.group import WorkerGroup
 from engine.parallel.prefill_cp import CPRunner
 from engine.model.sampler import SamplingParams
@@ -57,7 +58,7 @@ class CPPrefillEngine(Engine):
                  dtype: str = "auto", chunk_size: int = 4096, page_size: int = 16, max_cache_tokens: int = 1 << 16,
                  threads_per_rank: int = 1, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False,
                  kv_transport: str | None = None, kv_host: str = "127.0.0.1", overlap: bool = False,
-                 generation_config: str = "auto"):
+                 generation_config: str = "auto", moe_parallel: str = "ep"):
         if cp < 1:
             raise ValueError(f"cp: must be >= 1, got {cp}")
         if strategy not in STRATEGIES:
@@ -71,7 +72,7 @@ class CPPrefillEngine(Engine):
         num_pages = pages_needed(max_cache_tokens, page_size, 1)
         self.group = WorkerGroup(cp, "engine.parallel.prefill_cp:PrefillRank",
                                  (str(self.model_dir), dtype, strategy, layer_split, num_pages * page_size,
-                                  kv_transport, kv_host),
+                                  kv_transport, kv_host, check_moe_parallel(moe_parallel)),
                                  threads_per_rank=threads_per_rank, name="prefill")
         self.group.ready()
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits, prefix_cache),

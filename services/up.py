@@ -121,6 +121,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-dcp", type=int, default=None, help="decode context-parallel ranks (default 2)")
     p.add_argument("--indexer", choices=["copied", "split"], default=None)
     p.add_argument("--dcp-comm", choices=["a2a", "ag_rs"], default=None)
+    p.add_argument("--moe-parallel", choices=["ep", "replicate"], default=None,
+                   help="routed experts split across each group's ranks (ep, default) or held whole by every rank")
+    p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                   help="decode cache bytes per rank, e.g. 2GiB (default: sized by tokens)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S,
                    help=f"how long each service may take to load and start (default {START_TIMEOUT_S} s)")
@@ -197,7 +201,8 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
     common = _flags([("--config", args.config), ("--model", args.model), ("--host", args.host),
                      ("--internal-token-file", args.internal_token_file), ("--tls-cert", args.tls_cert),
                      ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)])
-    engine_common = _flags([("--dtype", args.dtype), ("--generation-config", args.generation_config)])
+    engine_common = _flags([("--dtype", args.dtype), ("--generation-config", args.generation_config),
+                            ("--moe-parallel", args.moe_parallel)])
     children = []
     try:
         prefill = Child("prefill", common + engine_common + ["--port", "0"] + _flags([
@@ -205,7 +210,8 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
             ("--prefix-cache", args.prefix_cache)]), quiet, env=env)
         children.append(prefill)
         decode = Child("decode", common + engine_common + ["--port", "0"] + _flags([
-            ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm)]), quiet, env=env)
+            ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm),
+            ("--kv-cache-memory", args.kv_cache_memory)]), quiet, env=env)
         children.append(decode)
         timeout = args.start_timeout_s
         p_addr, d_addr = prefill.wait_ready(timeout), decode.wait_ready(timeout)

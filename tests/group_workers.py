@@ -68,3 +68,58 @@ class PeerLossWorker:
             raise RuntimeError("Connection closed by peer")
         time.sleep(0.1)
         os._exit(3)
+
+
+class ExpertWorker:
+    """One MoE layer with seeded random weights, every expert on every rank (the reference)
+    and this rank's expert-parallel copy (its experts only; a TP slice of the shared expert
+    when ``tp``), for driving the dispatchers of engine/parallel/expert.py directly."""
+
+    def __init__(self, ctx: RankContext, overrides: dict, seed: int = 0):
+        from engine.model.config import ModelConfig
+        from engine.model.model import MoE
+        from engine.model.tiny import tiny_config
+
+        self.ctx = ctx
+        self.cfg = ModelConfig.from_dict(tiny_config("deepseek_v3", **overrides))
+        g = torch.Generator().manual_seed(seed)
+        self.full = MoE(self.cfg)
+        for p in list(self.full.parameters()) + list(self.full.buffers()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+    def _sharded(self, tp: bool):
+        import copy
+
+        from engine.parallel.shard import WeightShard
+
+        shard = WeightShard(self.ctx.rank, self.ctx.world_size, tp=tp)
+        moe = copy.deepcopy(self.full)
+        for name, p in list(moe.named_parameters()):
+            part = shard.part(self.cfg, f"model.layers.1.mlp.{name}", tuple(p.shape))
+            if part is not None:
+                owner, attr = name.rsplit(".", 1)
+                setattr(moe.get_submodule(owner), attr, torch.nn.Parameter(p[part].clone(), requires_grad=False))
+        moe.experts.first = shard.experts(self.cfg).start
+        return moe
+
+    def run(self, kind: str, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, own: list[list[int]]):
+        """``kind`` prefill: rank r computes tokens ``own[r]`` through the all-to-all
+        dispatcher; decode: every token through the reduced one. Returns (EP output of this
+        rank's tokens, the one-process reference's output of them, tokens each local expert got)."""
+        from engine.model.experts import LOCAL_EXPERTS
+        from engine.parallel.expert import AllToAllExperts, ReducedExperts
+
+        r, c = self.ctx.rank, self.ctx.world_size
+        if kind == "prefill":
+            mine = torch.tensor(own[r], dtype=torch.long)
+            moe = self._sharded(tp=False)
+            dispatch = AllToAllExperts(self.ctx.group, r, c, self.cfg.n_routed_experts)
+        else:
+            mine = torch.arange(x.shape[0])
+            moe = self._sharded(tp=True)
+            dispatch = ReducedExperts(self.ctx.group, c)
+        out = dispatch(moe, x[mine], idx[mine], weights[mine])
+        ref = LOCAL_EXPERTS(self.full, x, idx, weights)[mine]
+        held = moe.experts.held
+        got = [int((idx == e).sum()) for e in held]
+        return out, ref, {"experts": [held.start, held.stop], "pairs_per_expert": got}

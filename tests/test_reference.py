@@ -267,23 +267,6 @@ def test_absorbed_decode_forms_agree():
     assert torch.allclose(lse, scores.logsumexp(-1), atol=1e-6)
 
 
-def test_gathered_experts_equal_the_expert_loop():
-    from engine.model.config import ModelConfig
-    from engine.model.model import Experts, Router
-    from engine.model.tiny import tiny_config
-
-    cfg = ModelConfig.from_dict(tiny_config())
-    g = torch.Generator().manual_seed(3)
-    ex = Experts(cfg)
-    for p in (ex.gate_proj, ex.up_proj, ex.down_proj):
-        p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    router = Router(cfg)
-    router.weight.copy_(torch.randn(router.weight.shape, generator=g))
-    x = torch.randn(3, cfg.hidden_size, generator=g)
-    idx, w = router(x)
-    assert torch.allclose(ex(x, idx, w, decode=True), ex(x, idx, w), atol=1e-6)
-
-
 # ---- device -----------------------------------------------------------------------------------
 def test_device_is_checked(glm_dir, capsys):
     from cpserve.cli import main

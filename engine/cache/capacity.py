@@ -53,6 +53,50 @@ def index_key_bytes(index_head_dim: int, kv_dtype: str) -> int:
     return index_head_dim * bytes_per_value(kv_dtype)
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(value: int | str, field: str = "bytes") -> int:
+    """``20GiB``, ``512MB``, ``1.5GiB``, ``1048576`` → bytes (binary units: KiB, MiB, GiB, TiB;
+    decimal: KB, MB, GB, TB)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        text = str(value).strip().replace("_", "")
+        num = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ").strip()
+        unit = text[len(num):].strip().lower()
+        try:
+            if unit not in _UNITS:
+                raise ValueError
+            n = int(float(num) * _UNITS[unit])
+        except ValueError:
+            raise ValueError(f"{field}: {value!r} is not a byte count (use e.g. 20GiB, 512MiB, 1000000)") from None
+    if n < 0:
+        raise ValueError(f"{field}: must be >= 0, got {value!r}")
+    return n
+
+
+def decode_row_bytes(cfg, dtype_bytes: int, dcp: int, indexer: str) -> int:
+    """Cache bytes one decode rank spends per row it owns: its latent entry on every layer, plus
+    index keys — C of them with a copied index (every rank keeps every token's), one when split."""
+    latent = cfg.num_layers * cfg.latent_dim * dtype_bytes
+    index = len(cfg.indexer_layer_ids) * cfg.index_head_dim * dtype_bytes
+    return latent + index * (dcp if indexer == "copied" else 1)
+
+
+def pages_in_budget(cfg, budget: int, dtype: str, page_size: int, dcp: int, indexer: str) -> int:
+    """Virtual pages whose rows fit in ``budget`` bytes of cache on each decode rank."""
+    from engine.model.loader import parse_dtype
+
+    row = decode_row_bytes(cfg, parse_dtype(dtype).itemsize, dcp, indexer)
+    pages = budget // (row * page_size)
+    if pages < 1:
+        raise ValueError(f"kv_cache_memory: {budget} bytes per rank hold no page of {page_size} rows "
+                         f"({row} bytes a row); give at least {row * page_size}")
+    return pages
+
+
 @dataclass(frozen=True)
 class Collective:
     """One collective of a decode step, per decoded token and per layer it runs on.

@@ -15,6 +15,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from engine.model.experts import LOCAL_EXPERTS, ExpertDispatch
+
 
 @dataclass(frozen=True)
 class RequestView:
@@ -51,3 +53,4 @@ class ForwardBatch:
     is_decode: bool = False
     all_reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity)
     trace: dict | None = None  # when set, attention records its DSA selections here (tests)
+    moe: ExpertDispatch = field(default=LOCAL_EXPERTS)  # who runs the routed experts (engine/parallel/expert.py)

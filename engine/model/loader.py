@@ -38,6 +38,7 @@ import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -306,15 +307,62 @@ def inspect_checkpoint(path: Path, cfg: ModelConfig, expected: dict[str, tuple[i
 
 
 # ---- pass 2: stream the data -------------------------------------------------------------------
-def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """``w[i, j] * scale_inv[i // b0, j // b1]`` in float32 (edge blocks partial in both dims)."""
+def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                          offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """``w[i, j] * scale_inv[(r0 + i) // b0, (c0 + j) // b1]`` in float32 (edge blocks partial).
+
+    ``w`` may be a slice of the full weight starting at ``offset`` = (r0, c0); ``scale_inv``
+    then holds the block rows and columns that slice touches, from block (r0 // b0, c0 // b1)."""
     b0, b1 = block
-    inp = w.shape[1]
+    r0, c0 = offset
+    rows, cols = w.shape
     x = w.float()
-    s = scale_inv.float().repeat_interleave(b1, 1)[:, :inp]  # one row of scales per block row
+    s = scale_inv.float()[:, torch.arange(c0, c0 + cols) // b1 - c0 // b1]  # one row of scales per block row
+    first = r0 // b0
     for i in range(s.shape[0]):  # in place: one fp32 copy of the weight, not three
-        x[i * b0:(i + 1) * b0].mul_(s[i])
+        lo, hi = max(0, (first + i) * b0 - r0), min(rows, (first + i + 1) * b0 - r0)
+        if lo < hi:
+            x[lo:hi].mul_(s[i])
     return x
+
+
+class WeightShard(Protocol):
+    """Which part of each parameter a process keeps (engine/parallel/shard.py)."""
+
+    def check(self, cfg: ModelConfig) -> None: ...
+
+    def part(self, cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None: ...
+
+    def finish(self, lm: CausalLM) -> None: ...
+
+
+def part_shape(part: tuple[slice, ...] | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if part is None:
+        return tuple(shape)
+    return tuple(len(range(*s.indices(d))) for s, d in zip(part, shape))
+
+
+def _source_part(src: Source, part: tuple[slice, ...] | None, full: tuple[int, ...]):
+    """(index into the local parameter, slices of the source tensor to read) for one source of
+    a parameter of full shape ``full`` of which ``part`` is kept; None when none of it is."""
+    if part is None:
+        return (src.expert if src.expert is not None else ...), None
+    if src.expert is not None:  # one expert's 2-D tensor of a stacked [E, ...] parameter
+        e = part[0]
+        if not e.start <= src.expert < e.stop:
+            return None
+        return src.expert - e.start, part[1:]
+    if src.chunk is not None:  # fused gate_up_proj [E, 2I, H]: this half's rows sit at chunk·I
+        inter = full[1]
+        rows = slice(src.chunk * inter + part[1].start, src.chunk * inter + part[1].stop)
+        return ..., (part[0], rows) + part[2:]
+    return ..., part
+
+
+def _read_bytes(info: TensorInfo, slices: tuple[slice, ...] | None) -> int:
+    if slices is None:
+        return info.nbytes
+    return info.nbytes * math.prod(part_shape(slices, info.shape)) // max(math.prod(info.shape), 1)
 
 
 def _progress(total: int, desc: str):
@@ -326,17 +374,36 @@ def _progress(total: int, desc: str):
                 disable=None, leave=False, mininterval=0.5)
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str = "auto") -> int:
-    """Bytes of the model's tensors once loaded in ``dtype`` (the router gate, its correction bias
-    and the indexer's head weights stay fp32): what every rank process holds today."""
-    torch_dtype = parse_dtype(resolve_dtype(dtype, cfg))
+def local_shapes(cfg: ModelConfig, shard: WeightShard | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model (parameters and buffers) → its shape on a process holding
+    ``shard`` of it (all of it without one)."""
     with torch.device("meta"):
         lm = CausalLM(cfg)
-    return sum(t.numel() * (4 if name.endswith(_KEEP_FP32) else torch_dtype.itemsize)
-               for name, t in lm.state_dict().items())
+    if shard is not None:
+        shard.check(cfg)
+    return {name: part_shape(shard.part(cfg, name, tuple(t.shape)) if shard else None, tuple(t.shape))
+            for name, t in lm.state_dict().items()}
 
 
-def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str = "cpu") -> CausalLM:
+def tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of one loaded tensor: the router gate, its correction bias and the indexer's head
+    weights stay fp32, the rest is in the compute dtype."""
+    return math.prod(shape) * (4 if name.endswith(_KEEP_FP32) else dtype.itemsize)
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str = "auto", shard: WeightShard | None = None) -> int:
+    """Bytes of the model's tensors once loaded in ``dtype`` by a process holding ``shard`` of
+    them (the whole model without one)."""
+    torch_dtype = parse_dtype(resolve_dtype(dtype, cfg))
+    return sum(tensor_bytes(n, s, torch_dtype) for n, s in local_shapes(cfg, shard).items())
+
+
+def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str = "cpu",
+               shard: WeightShard | None = None) -> CausalLM:
+    """Check the checkpoint, then stream it into a :class:`CausalLM` in ``dtype``.
+
+    With ``shard`` (a rank of a group), only the part of each tensor the shard keeps is read
+    from the files (``safe_open(...).get_slice``): a rank's peak memory is its own weights."""
     from engine.model.tiny import resolve_model_dir
 
     path = Path(resolve_model_dir(model))
@@ -346,15 +413,25 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str
         lm = CausalLM(cfg)
     meta = lm.state_dict()
     plan = inspect_checkpoint(path, cfg, {n: tuple(t.shape) for n, t in meta.items()})
+    if shard is not None:
+        shard.check(cfg)
+    parts = {n: shard.part(cfg, n, tuple(t.shape)) if shard is not None else None for n, t in meta.items()}
     if plan.skipped:
         logger.info("checkpoint %s: skipped %s", path,
                     ", ".join(f"{n} tensor(s) of {why}" for why, n in sorted(plan.skipped.items())))
+    reads = []  # (parameter, index into it, source, source slices)
+    for name, sources in plan.sources.items():
+        for src in sources:
+            where = _source_part(src, parts[name], tuple(meta[name].shape))
+            if where is not None:
+                reads.append((name, where[0], src, where[1]))
+    total = sum(_read_bytes(src.tensor, sl) + (src.scale.nbytes if src.scale else 0) for _, _, src, sl in reads)
     state: dict[str, torch.Tensor] = {}
-    bar = _progress(plan.nbytes, f"loading {path.name}")
+    bar = _progress(total, f"loading {path.name}")
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
-        def read(info: TensorInfo) -> torch.Tensor:
+        def read(info: TensorInfo, slices: tuple[slice, ...] | None = None) -> torch.Tensor:
             fh = handles.get(info.file)
             if fh is None:
                 # pread, not mmap: an mmapped shard's touched pages stay in the process's RSS
@@ -364,29 +441,42 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str
                 # once copied into the parameter (bench/load.py measures the peak).
                 fh = handles[info.file] = stack.enter_context(
                     safe_open(str(info.file), framework="pt", backend="pread"))
-            t = fh.get_tensor(info.name)
+            t = fh.get_tensor(info.name) if slices is None else fh.get_slice(info.name)[slices]
             if bar is not None:
-                bar.update(info.nbytes)
+                bar.update(_read_bytes(info, slices))
             return t
 
-        for name, sources in plan.sources.items():
-            dt = torch.float32 if name.endswith(_KEEP_FP32) else torch_dtype
-            # Fresh, aligned memory (not views of the mmapped file): BLAS results can depend on
-            # alignment, and every rank must compute bit-for-bit what the reference computes.
-            dst = torch.empty(meta[name].shape, dtype=dt, device=device)
-            for src in sources:
-                t = read(src.tensor)
-                if src.scale is not None:
-                    t = dequantize_fp8_blocks(t, read(src.scale), cfg.quant.weight_block_size)
-                if src.chunk is not None:
-                    t = t.chunk(2, dim=1)[src.chunk]
-                (dst if src.expert is None else dst[src.expert]).copy_(t)
-                del t
-            state[name] = dst
+        def read_fp8(src: Source, slices: tuple[slice, ...] | None) -> torch.Tensor:
+            b0, b1 = cfg.quant.weight_block_size
+            if slices is None:
+                return dequantize_fp8_blocks(read(src.tensor), read(src.scale), (b0, b1))
+            rows, cols = (range(*s.indices(d)) for s, d in zip(slices, src.tensor.shape))
+            grid = (slice(rows.start // b0, -(-rows.stop // b0)), slice(cols.start // b1, -(-cols.stop // b1)))
+            return dequantize_fp8_blocks(read(src.tensor, slices), read(src.scale, grid), (b0, b1),
+                                         (rows.start, cols.start))
+
+        for name, at, src, slices in reads:
+            if name not in state:
+                dt = torch.float32 if name.endswith(_KEEP_FP32) else torch_dtype
+                # Fresh, aligned memory (not views of the file's pages): BLAS results can depend
+                # on alignment, and every rank must compute bit-for-bit what the reference does.
+                state[name] = torch.empty(part_shape(parts[name], tuple(meta[name].shape)), dtype=dt, device=device)
+            t = read_fp8(src, slices) if src.scale is not None else read(src.tensor, slices)
+            if src.chunk is not None and parts[name] is None:
+                t = t.chunk(2, dim=1)[src.chunk]
+            state[name][at].copy_(t)
+            del t
     if bar is not None:
         bar.close()
+    for name, part in parts.items():  # the meta model takes the local shapes before the load
+        if part is not None:
+            owner, attr = name.rsplit(".", 1)
+            setattr(lm.get_submodule(owner), attr,
+                    torch.nn.Parameter(torch.empty(state[name].shape, device="meta"), requires_grad=False))
     lm.load_state_dict(state, strict=True, assign=True)
     lm.rotary = type(lm.rotary)(cfg, device)
+    if shard is not None:
+        shard.finish(lm)
     lm.eval()
     lm.bind_attributes()
     return lm

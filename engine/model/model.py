@@ -108,14 +108,12 @@ class Router(nn.Module):
         return idx, weights * cfg.routed_scaling_factor
 
 
-# A decode step whose chosen experts' weights (tokens × k × gate/up/down) add up to at most
-# this many values gathers them and runs one batched matmul each, instead of a Python loop
-# over experts (≈ 12 dispatches an expert: the cost of a small model's decode step).
-GATHER_EXPERTS_MAX_VALUES = 1 << 21
-
-
 class Experts(nn.Module):
-    """Routed experts stored stacked: gate/up [E, I, H], down [E, H, I]."""
+    """Routed experts stored stacked: gate/up [E_local, I, H], down [E_local, H, I].
+
+    ``first`` is the global id of the first expert held here: 0 with every expert (the
+    reference), a rank's first expert under expert parallelism (engine/parallel/expert.py).
+    The compute is in engine/model/experts.py, called by the batch's expert dispatcher."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -123,36 +121,12 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(e, i, h), requires_grad=False)
         self.up_proj = nn.Parameter(torch.empty(e, i, h), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.first = 0
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        t, k = idx.shape
-        if decode and t * k * 3 * self.gate_proj.shape[1] * self.gate_proj.shape[2] <= GATHER_EXPERTS_MAX_VALUES:
-            return self._gathered(x, idx, weights)
-        out = torch.zeros_like(x)
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
-        token_of = order // idx.shape[1]
-        slot_of = order % idx.shape[1]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok, slot = token_of[start : start + n], slot_of[start : start + n]
-            start += n
-            h = x[tok]
-            h = F.silu(F.linear(h, self.gate_proj[e])) * F.linear(h, self.up_proj[e])
-            h = F.linear(h, self.down_proj[e]) * weights[tok, slot, None].to(x.dtype)
-            out.index_add_(0, tok, h)
-        return out
-
-    def _gathered(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        t, k = idx.shape
-        flat = idx.reshape(-1)
-        h = x[:, None, None, :].expand(t, k, 1, x.shape[-1]).reshape(t * k, 1, x.shape[-1])  # [t·k, 1, H]
-        gate, up, down = (w.index_select(0, flat).transpose(1, 2) for w in (self.gate_proj, self.up_proj, self.down_proj))
-        o = torch.bmm(F.silu(torch.bmm(h, gate)) * torch.bmm(h, up), down).view(t, k, -1)
-        return (o * (weights if weights.dtype == x.dtype else weights.to(x.dtype)).unsqueeze(-1)).sum(1)
+    @property
+    def held(self) -> range:
+        """Global ids of the experts held here."""
+        return range(self.first, self.first + self.gate_proj.shape[0])
 
 
 class MoE(nn.Module):
@@ -164,12 +138,10 @@ class MoE(nn.Module):
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
 
-    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The layer's complete output (routed + shared, already reduced across ranks)."""
         idx, weights = self.gate(x)
-        out = self.experts(x, idx, weights, decode)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return batch.moe(self, x, idx, weights)
 
 
 class Indexer(nn.Module):
@@ -359,6 +331,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.is_moe = isinstance(self.mlp, MoE)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -366,7 +339,7 @@ class DecoderLayer(nn.Module):
         attn, sel = self.self_attn(self.input_layernorm(x), batch, rope, prev_sel)
         x = x + attn
         h = self.post_attention_layernorm(x)
-        x = x + batch.all_reduce(self.mlp(h, batch.is_decode) if isinstance(self.mlp, MoE) else self.mlp(h))
+        x = x + (self.mlp(h, batch) if self.is_moe else batch.all_reduce(self.mlp(h)))
         return x, sel
 
 
@@ -379,7 +352,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-for _module in (RMSNorm, MLP, Router, Experts, MoE, Indexer, Attention, DecoderLayer):
+for _module in (RMSNorm, MLP, Router, MoE, Indexer, Attention, DecoderLayer):
     _module.__call__ = _module.forward  # see Linear above
 
 

@@ -12,7 +12,11 @@ into C slices, so the DCP group is also the tensor-parallel group of the rest of
    locally; ``ag_rs`` — all-gather of the LSEs, each rank rescales its partials, then a
    reduce-scatter sums them into head slices. Either way each rank ends with its head slice over
    the whole cache — what plain TP would hold — and ``W_UV``, ``o_proj`` (row-parallel) and the
-   MLP / MoE (column- then row-parallel) run as in TP, with one all-reduce after each.
+   dense MLP / shared experts (column- then row-parallel) run as in TP, with one all-reduce
+   after each. Routed experts are expert parallel (``moe_parallel: ep``, the default): each
+   rank holds its own experts, applies them to every token routed to them and one all-reduce
+   sums the partial outputs (engine/parallel/expert.py). Each rank reads only its slices of
+   the weights from the files (engine/parallel/shard.py).
 
 DSA index: ``copied`` — every rank keeps every index key and computes the same top-k, then
 attends over the selected rows it owns; ``split`` — each rank keeps the index keys of its own
@@ -21,7 +25,7 @@ exact global top-k (a token of the global top-k is in its owner's local top-k un
 total order: score, then position).
 
 What one rank stores: ~1/C of the latent rows (+ all index keys when copied, 1/C when split),
-1/C of the heads' projection and MLP weights. What crosses per layer and step (B requests, H
+1/C of the heads' projection and MLP weights, ~1/C of the routed experts. What crosses per layer and step (B requests, H
 heads, r = kv_lora_rank, dr = rope dim): the query all-gather B·H·(r+dr) values (unless
 replicated); the exchange B·H·(r+1) values (a2a) or B·H LSEs + B·H·r values reduce-scattered
 (ag_rs); on split-index layers B·C·k (score, position) candidates; two all-reduces of B·hidden.
@@ -40,62 +44,13 @@ from engine.handoff import RankEndpoint, kv_backend
 from engine.model.attention import absorbed_decode, merge_partials, topk_mask, topk_select
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
-from engine.model.model import MLP, CausalLM, MoE
+from engine.parallel.expert import decode_dispatch
+from engine.parallel.shard import WeightShard, weights_held
 from engine.plan import StepPlan
 from engine.runner import batch_inputs
 
 EXCHANGES = ("a2a", "ag_rs")
 INDEXERS = ("copied", "split")
-
-
-# ---- tensor-parallel sharding of a loaded model ----------------------------------------------
-def _rows(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    return torch.tensor_split(w, world, dim=0)[rank].clone()
-
-
-def _cols(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    return torch.tensor_split(w, world, dim=-1)[rank].clone()
-
-
-def shard_for_dcp(lm: CausalLM, rank: int, world: int, replicate_q_proj: bool) -> None:
-    """Keep this rank's slice of every tensor-parallel weight, in place.
-
-    | weight                          | split                                  |
-    |---------------------------------|----------------------------------------|
-    | q_b_proj / q_proj               | output rows by head (unless replicated) |
-    | o_proj                          | input columns by head (row-parallel)    |
-    | MLP & experts gate/up           | output rows (intermediate dim)          |
-    | MLP & experts down              | input columns (intermediate dim)        |
-    | kv_a, kv_b, indexer, router, embeddings, norms, lm_head | replicated     |
-    """
-    cfg = lm.cfg
-    if cfg.num_heads % world:
-        raise ValueError(f"dcp: {world} ranks must divide the model's {cfg.num_heads} attention heads")
-    per = cfg.num_heads // world
-    with torch.no_grad():
-        for layer in lm.model.layers:
-            attn = layer.self_attn
-            attn.head_slice = slice(rank * per, (rank + 1) * per)
-            if not replicate_q_proj:
-                proj = attn.q_b_proj if cfg.q_lora_rank else attn.q_proj
-                proj.weight = torch.nn.Parameter(_rows(proj.weight, rank, world), requires_grad=False)
-            attn.o_proj.weight = torch.nn.Parameter(_cols(attn.o_proj.weight, rank, world), requires_grad=False)
-            if attn.o_proj.bias is not None and rank != 0:
-                attn.o_proj.bias.zero_()  # the all-reduce adds the bias once
-            mlps = [layer.mlp] if isinstance(layer.mlp, MLP) else []
-            if isinstance(layer.mlp, MoE):
-                ex = layer.mlp.experts
-                ex.gate_proj = torch.nn.Parameter(torch.tensor_split(ex.gate_proj, world, 1)[rank].clone(), requires_grad=False)
-                ex.up_proj = torch.nn.Parameter(torch.tensor_split(ex.up_proj, world, 1)[rank].clone(), requires_grad=False)
-                ex.down_proj = torch.nn.Parameter(_cols(ex.down_proj, rank, world), requires_grad=False)
-                if layer.mlp.shared_experts is not None:
-                    mlps.append(layer.mlp.shared_experts)
-            for mlp in mlps:
-                for name in ("gate_proj", "up_proj"):
-                    lin = getattr(mlp, name)
-                    lin.weight = torch.nn.Parameter(_rows(lin.weight, rank, world), requires_grad=False)
-                mlp.down_proj.weight = torch.nn.Parameter(_cols(mlp.down_proj.weight, rank, world), requires_grad=False)
-    lm.bind_attributes()  # the reassigned parameters dropped out of it
 
 
 # ---- cache access of one DCP rank ------------------------------------------------------------
@@ -270,7 +225,7 @@ class DecodeRank:
 
     def __init__(self, ctx, model_dir: str, dtype: str, num_rows: int, exchange: str = "a2a",
                  indexer: str = "copied", replicate_q_proj: bool = False, kv_transport: str | None = None,
-                 kv_host: str = "127.0.0.1"):
+                 kv_host: str = "127.0.0.1", moe_parallel: str = "ep"):
         if exchange not in EXCHANGES:
             raise ValueError(f"dcp_comm: {exchange!r} is not one of {', '.join(EXCHANGES)}")
         if indexer not in INDEXERS:
@@ -278,11 +233,13 @@ class DecodeRank:
         self.rank, self.world, self.group = ctx.rank, ctx.world_size, ctx.group
         self.exchange, self.indexer, self.dtype = exchange, indexer, parse_dtype(dtype)
         self.replicate_q_proj = replicate_q_proj
-        self.lm = load_model(model_dir, dtype)
+        self.shard = WeightShard(self.rank, self.world, tp=True, moe_parallel=moe_parallel,
+                                 replicate_q_proj=replicate_q_proj)
+        self.lm = load_model(model_dir, dtype, shard=self.shard)
         self.cfg = self.lm.cfg
         if indexer == "split" and self.cfg.max_position_embeddings >= 1 << 24:
             raise ValueError("indexer: split index candidates carry positions as fp32 (exact below 2^24)")
-        shard_for_dcp(self.lm, self.rank, self.world, replicate_q_proj)
+        self.moe = decode_dispatch(moe_parallel, self.group, self.world)
         cfg = self.cfg
         self.num_rows = num_rows
         self.latent = torch.zeros(cfg.num_layers, num_rows, cfg.latent_dim, dtype=self.dtype)
@@ -340,7 +297,7 @@ class DecodeRank:
         kv = DCPKV(self, torch.cat(new_slots), [it.slots for it in plan.items])
         self.trace = {} if trace else None
         batch = ForwardBatch(ids, pos, views, kv, torch.arange(len(plan.items)), is_decode=True,
-                             all_reduce=self._all_reduce, trace=self.trace)
+                             all_reduce=self._all_reduce, trace=self.trace, moe=self.moe)
         logits = self.lm(batch)
         result = {it.req_id: logits[b] for b, it in enumerate(plan.items)} if self.rank == 0 else {}
         return result, time.perf_counter() - t0
@@ -357,7 +314,10 @@ class DecodeRank:
         return {"latent_bytes": latent, "index_bytes": index, "num_rows": self.num_rows}
 
     def stats(self) -> dict:
-        return dict(self.bytes_sent)
+        return dict(self.bytes_sent, experts=getattr(self.moe, "bytes_sent", 0))
+
+    def weights(self) -> dict:
+        return weights_held(self.lm, self.shard)
 
     def last_trace(self):
         return self.trace

@@ -249,12 +249,29 @@ def layer_owner_ranges(num_layers: int, cp: int) -> list[range]:
     """
     _check_cp(cp)
     _check_num_layers(num_layers)
+    return contiguous_ranges(num_layers, cp)
+
+
+def contiguous_ranges(total: int, parts: int) -> list[range]:
+    """``range(total)`` cut into ``parts`` contiguous pieces in order, the first ``total mod
+    parts`` one longer (``torch.tensor_split``'s rule): layers, experts and TP slices alike."""
     ranges: list[range] = []
     start = 0
-    for size in piece_sizes(num_layers, cp):
+    for size in piece_sizes(total, parts):
         ranges.append(range(start, start + size))
         start += size
     return ranges
+
+
+def expert_owner_ranges(num_experts: int, world: int) -> list[range]:
+    """Which routed experts each rank of an expert-parallel group holds: rank r owns
+    ``expert_owner_ranges(E, C)[r]``, contiguous, the first ``E mod C`` ranks one extra (with
+    fewer experts than ranks the last ranks hold none). Prefill CP and decode DCP groups use the
+    same placement; the KV layout does not depend on it."""
+    _check_cp(world)
+    if not _is_int(num_experts) or num_experts < 0:
+        raise ValueError(f"num_experts must be a non-negative integer, got {num_experts!r}")
+    return contiguous_ranges(num_experts, world)
 
 
 def layer_owner(layer: int, num_layers: int, cp: int) -> int:

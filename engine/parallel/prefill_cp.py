@@ -9,7 +9,9 @@ interleave or zigzag). Per attention layer, every rank:
 3. runs the DSA indexer and attention for its own queries only, each reading its request's
    full causal history (cached prefix included). Scoring is therefore done once in total.
 
-MLP / MoE run on each rank's own tokens; nothing else crosses between ranks.
+Dense MLPs run on each rank's own tokens. MoE layers are expert parallel by default
+(``moe_parallel: ep``): each rank holds and loads only its experts, and each token's hidden
+row goes to the ranks holding its chosen experts and back (engine/parallel/expert.py).
 
 What one rank stores: without layer split, a full copy of the cache (every layer, every row);
 with ``layer_split``, only its contiguous range of layers (the first L mod C ranks take one
@@ -34,7 +36,9 @@ from engine.faults import faults
 from engine.handoff import kv_backend
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
+from engine.parallel.expert import prefill_dispatch
 from engine.parallel.layout import layer_owner, layer_owner_ranges, split_batch
+from engine.parallel.shard import WeightShard, weights_held
 from engine.plan import StepPlan
 from engine.runner import batch_inputs
 
@@ -136,13 +140,15 @@ class PrefillRank:
     """Worker of one prefill CP rank (constructed in the rank process by WorkerGroup)."""
 
     def __init__(self, ctx, model_dir: str, dtype: str, strategy: str, layer_split: bool, num_rows: int,
-                 kv_transport: str | None = None, kv_host: str = "127.0.0.1"):
+                 kv_transport: str | None = None, kv_host: str = "127.0.0.1", moe_parallel: str = "ep"):
         if layer_split and strategy != "interleave":
             raise ValueError("layer_split: supported with the interleave strategy only")
         self.rank, self.world, self.group = ctx.rank, ctx.world_size, ctx.group
         self.strategy, self.dtype = strategy, parse_dtype(dtype)
-        self.lm = load_model(model_dir, dtype)
+        self.shard = WeightShard(self.rank, self.world, tp=False, moe_parallel=moe_parallel)
+        self.lm = load_model(model_dir, dtype, shard=self.shard)
         self.cfg = self.lm.cfg
+        self.moe = prefill_dispatch(moe_parallel, self.group, self.rank, self.world, self.cfg.n_routed_experts)
         layers = layer_owner_ranges(self.cfg.num_layers, self.world)[self.rank] if layer_split else None
         self.pool = KVPool(self.cfg, num_rows, self.dtype, layers=layers)
         self.scratch = ScratchLayer(self.cfg, num_rows, self.dtype) if layer_split else None
@@ -200,7 +206,7 @@ class PrefillRank:
         if armed:
             kv.on_stored = lambda layer: self._push_layer(armed, layer, futures)
         batch = ForwardBatch(ids[own], pos[own], views, kv, torch.tensor(logit_local, dtype=torch.long),
-                             trace=self.trace)
+                             trace=self.trace, moe=self.moe)
         logits = self.lm(batch)
         pushed = {rid: self.sender.merge([f.result() for f in fs]) for rid, fs in futures.items()}
         return {rid: logits[j] for j, rid in enumerate(logit_req)}, time.perf_counter() - t0, pushed
@@ -228,7 +234,10 @@ class PrefillRank:
                 "layers": list(self.pool.layers), "bytes_per_layer": self.pool.nbytes // max(len(self.pool.layers), 1)}
 
     def stats(self) -> dict:
-        return {"gathered_bytes": self.gathered_bytes}
+        return {"gathered_bytes": self.gathered_bytes, "expert_bytes": getattr(self.moe, "bytes_sent", 0)}
+
+    def weights(self) -> dict:
+        return weights_held(self.lm, self.shard)
 
 
 class CPRunner:

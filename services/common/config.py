@@ -45,6 +45,9 @@ class _ServiceConfig(_InternalPlaneConfig):
     page_size: int = Field(16, ge=1)
     max_cache_tokens: int = Field(1 << 16, ge=1)
     threads_per_rank: int = Field(1, ge=1)
+    # routed experts: ep = partitioned across the group's ranks (each loads only its own),
+    # replicate = every rank holds them all (engine/parallel/expert.py); a group of one holds all
+    moe_parallel: Literal["ep", "replicate"] = "ep"
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: pick a free port
     kv_protocol: Literal["tcp", "rdma"] = "tcp"
@@ -119,7 +122,8 @@ class PrefillConfig(_ServiceConfig):
                     dtype=self.dtype, generation_config=self.generation_config, chunk_size=self.chunk_size,
                     page_size=self.page_size,
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.threads_per_rank,
-                    kv_transport=self.kv_protocol, kv_host=self.kv_host, prefix_cache=self.prefix_cache)
+                    kv_transport=self.kv_protocol, kv_host=self.kv_host, prefix_cache=self.prefix_cache,
+                    moe_parallel=self.moe_parallel)
 
 
 class DecodeConfig(_ServiceConfig):
@@ -127,9 +131,22 @@ class DecodeConfig(_ServiceConfig):
     dcp_comm: Literal["a2a", "ag_rs"] = "a2a"
     indexer: Literal["copied", "split"] = "copied"
     replicate_q_proj: bool = False
+    # cache bytes per rank (e.g. 20GiB, 512MiB): the pool gets as many rows as fit; overrides
+    # max_cache_tokens (which sizes the pool by tokens)
+    kv_cache_memory: str | None = None
     lease_s: float = Field(30.0, gt=0)  # a reservation lapses unless BeginWrite comes within this
     # a write lapses (rows freed) unless the writer renews it (BeginWrite per chunk) within this
     write_lease_s: float = Field(60.0, gt=0)
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _check_kv_cache_memory(cls, value):
+        from engine.cache.capacity import parse_bytes
+
+        if value is None:
+            return None
+        parse_bytes(value, "kv_cache_memory")
+        return str(value)
 
     @property
     def engine_kwargs(self) -> dict[str, Any]:
@@ -139,7 +156,8 @@ class DecodeConfig(_ServiceConfig):
                     generation_config=self.generation_config, page_size=self.page_size,
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.threads_per_rank,
                     reference_prefill=False, kv_transport=self.kv_protocol, kv_host=self.kv_host,
-                    lease_s=self.lease_s, write_lease_s=self.write_lease_s)
+                    lease_s=self.lease_s, write_lease_s=self.write_lease_s, moe_parallel=self.moe_parallel,
+                    kv_cache_memory=self.kv_cache_memory)
 
 
 SECTIONS: dict[str, type[_ServiceConfig]] = {"prefill": PrefillConfig, "decode": DecodeConfig}
