@@ -44,11 +44,6 @@ def check_moe_parallel(value: str) -> str:
     return value
 
 
-def _movable(x: torch.Tensor) -> torch.Tensor:
-    """Pure data movement: 16-bit floats travel as int16 (every backend moves those)."""
-    return x.view(torch.int16) if x.dtype in (torch.bfloat16, torch.float16) else x
-
-
 class AllToAllExperts:
     """Prefill CP dispatch/combine over all-to-all (see the module docstring)."""
 
@@ -74,11 +69,11 @@ class AllToAllExperts:
         recv = every[:, lo:hi].sum(dim=1).tolist()
         rows = x.index_select(0, order // k)
         got = x.new_empty(sum(recv), h)
-        dist.all_to_all_single(_movable(got), _movable(rows), recv, send, group=self.group)
+        dist.all_to_all_single(got, rows, recv, send, group=self.group)
         ids = torch.repeat_interleave(torch.arange(lo, hi).repeat(self.world), every[:, lo:hi].reshape(-1))
         out = grouped_experts(moe.experts, got, ids)
         back = x.new_empty(t * k, h)
-        dist.all_to_all_single(_movable(back), _movable(out), send, recv, group=self.group)
+        dist.all_to_all_single(back, out, send, recv, group=self.group)
         self.bytes_sent += (rows.numel() - send[self.rank] * h + out.numel() - recv[self.rank] * h) * x.element_size()
         y = torch.empty_like(back)
         y[order] = back
