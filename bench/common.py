@@ -1,4 +1,5 @@
-"""Shared helpers for benchmarks: a rich table, a matplotlib plot, and the `--json` last line."""
+"""Shared helpers for benchmarks: a rich table, a matplotlib plot, the `--json` last line, and a
+process's memory figures."""
 
 from __future__ import annotations
 
@@ -47,3 +48,15 @@ def save_plot(fig, out_dir: str, name: str) -> Path:
 def emit_json(enabled: bool, figures: dict) -> None:
     if enabled:
         print(json.dumps(figures))
+
+
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """The memory fields of /proc/<pid>/status (``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile``,
+    ...), in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            key, _, rest = line.partition(":")
+            if key.startswith(("Vm", "Rss")):
+                out[key] = int(rest.split()[0]) * 1024
+    return out

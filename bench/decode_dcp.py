@@ -1,5 +1,6 @@
-"""DCP decode: step latency for C = 1 vs C = 2 (and the C = 2 variants), and cache capacity at a
-fixed per-rank memory budget measured from real allocations vs ``plan_capacity``.
+"""DCP decode: step latency for C = 1 vs C = 2 (and the C = 2 variants, among them expert
+parallelism vs replicated experts), and cache capacity at a fixed per-rank memory budget measured
+from real allocations vs ``plan_capacity``.
 
     python bench/decode_dcp.py [--quick] [--json] [--contexts 8192,32768] [--batch 1]
                                [--steps 16] [--rounds 8] [--budget-mib 256] [--synthetic-kv]
@@ -13,10 +14,22 @@ step started); the table gives the median. Prefill is excluded.
 
 - ``dense``: make_tiny deepseek_v3 (no indexer) with kv_lora_rank 512 and small heads, so the
   step is dominated by absorbed attention over the whole cache. Variants: C1, C2 a2a, C2 ag_rs,
-  C2 a2a + replicate_q_proj. (No index here: copied vs split does not apply.)
+  C2 a2a + replicate_q_proj, C2 a2a repl-moe. (No index here: copied vs split does not apply.)
 - ``dsa``: make_tiny glm_moe_dsa with the same attention and an indexer (4 heads x 64,
   index_topk 2048 < context, FSFS layers), so decode = indexer over all keys + attention over
-  the top-k. Variants: C1, C2 a2a copied, C2 a2a split.
+  the top-k. Variants: C1, C2 a2a copied, C2 a2a split, C2 a2a copied repl-moe.
+
+Both models keep make_tiny's MoE: layers 1-3 of 4 are MoE (8 routed experts of width 64, top-2,
+1 shared expert; hidden 128). Every C2 variant runs with ``moe_parallel="ep"`` (the default:
+each rank holds 4 of the 8 experts, applies them to every token and all-reduces a
+[T, k+1, H] buffer) except ``repl-moe`` (``moe_parallel="replicate"``: each rank holds all 8,
+computes every token's routed experts itself and all-reduces only the shared expert's
+tensor-parallel partial, [T, H]). EP vs replicate: the ``repl-moe`` variant and its ep twin
+(C2 a2a, resp. C2 a2a copied) run interleaved with the others in the same rounds; the report
+gives median step seconds of each, ratio = ep / replicate (> 1: EP is slower) and the bytes
+each rank sends per step (the MoE all-reduce is (k+1)x larger with ep) — in a table, as the
+last plot panel, and under ``moe_parallel`` in the ``--json`` line (one entry per model and
+context: ep_s, replicate_s, ratio, ...). ``--quick`` measures it on the dense model only.
 
 Prompt KV. The one-process reference prefills each (model, context) prompt ONCE in the driver
 (``--prefill-threads`` threads); its latent/index rows and first-token logits are then replayed
@@ -25,8 +38,9 @@ ranks hold exactly the rows the reference computed, without paying one 32k refer
 per variant. The dsa model's prompt rows are random (``synthetic``) by default, because its
 reference prefill at 32k takes minutes here (``--dsa-reference-kv`` to compute them);
 ``--synthetic-kv`` makes the dense model's rows random too (``--quick`` does, to stay under a
-minute: 2k and 4k contexts, C1 vs C2 a2a, capacity at C = 2 only). Decode cost does not depend
-on the row values (the dsa top-k selects 2048 of N keys either way).
+minute: 2k and 4k contexts, C1 vs C2 a2a vs C2 a2a repl-moe, 16 steps in 8 rounds, capacity at
+C = 2 only). Decode cost does not depend on the row values (the dsa top-k selects 2048 of N keys
+either way).
 
 Breakdown (how a step's time divides): each rank's time in ``DecodeRank.run``
 (``runner.rank_seconds``) is split by bench-only wrappers installed in the rank processes
@@ -252,13 +266,19 @@ def close_engines(engines: dict) -> None:
 # ---- part 1: decode step latency -----------------------------------------------------------------
 def _variants(model: str, quick: bool) -> list[tuple[str, dict]]:
     if model == "dense":
-        v = [("C1", dict(dcp=1)), ("C2 a2a", dict(dcp=2, exchange="a2a"))]
+        v = [("C1", dict(dcp=1)), ("C2 a2a", dict(dcp=2, exchange="a2a", moe_parallel="ep")),
+             ("C2 a2a repl-moe", dict(dcp=2, exchange="a2a", moe_parallel="replicate"))]
         if not quick:
             v += [("C2 ag_rs", dict(dcp=2, exchange="ag_rs")),
                   ("C2 a2a repl-q", dict(dcp=2, exchange="a2a", replicate_q_proj=True))]
         return v
-    return [("C1", dict(dcp=1)), ("C2 a2a copied", dict(dcp=2, exchange="a2a", indexer="copied")),
-            ("C2 a2a split", dict(dcp=2, exchange="a2a", indexer="split"))]
+    return [("C1", dict(dcp=1)), ("C2 a2a copied", dict(dcp=2, exchange="a2a", indexer="copied", moe_parallel="ep")),
+            ("C2 a2a split", dict(dcp=2, exchange="a2a", indexer="split")),
+            ("C2 a2a copied repl-moe", dict(dcp=2, exchange="a2a", indexer="copied", moe_parallel="replicate"))]
+
+
+# (model, ep variant, replicate variant): the EP vs replicated-experts pairs, measured side by side
+MOE_PAIRS = [("dense", "C2 a2a", "C2 a2a repl-moe"), ("dsa", "C2 a2a copied", "C2 a2a copied repl-moe")]
 
 
 def _snapshot(eng) -> list[dict[str, float]]:
@@ -349,6 +369,8 @@ def bench_model(model: str, args, log, engines: dict | None = None) -> list[dict
             rows = pages_needed(max_tokens, args.page_size, kw["dcp"]) * args.page_size * kw["dcp"]
             replays[name] = ReplayPrefill(KVPool(cfg, rows, torch.float32))
             engines[name].runner.prefill = replays[name]
+        kw_of = dict(variants)
+        held = {name: [w["expert_bytes"] for w in eng.group.call("weights")] for name, eng in engines.items()}
         ping = {name: (eng.group.call("bench_ping", 200)[0], eng.group.call("bench_ping", 100, 1.0)[0])
                 for name, eng in engines.items() if eng.group.world_size > 1}
         for ctx in contexts:
@@ -374,6 +396,7 @@ def bench_model(model: str, args, log, engines: dict | None = None) -> list[dict
             rank_s = {n: [0.0] * engines[n].group.world_size for n in engines}
             timers = {n: [defaultdict(float) for _ in range(engines[n].group.world_size)] for n in engines}
             sent = {n: [0] * engines[n].group.world_size for n in engines}
+            sent_experts = {n: [0] * engines[n].group.world_size for n in engines}
             order = list(engines)
             load0 = os.getloadavg()[0]
             for r in range(args.rounds):
@@ -394,6 +417,7 @@ def bench_model(model: str, args, log, engines: dict | None = None) -> list[dict
                             timers[name][i][k] += v
                     for i, (a, b) in enumerate(zip(eng.group.call("stats"), st_before)):
                         sent[name][i] += sum(a.values()) - sum(b.values())
+                        sent_experts[name][i] += a.get("experts", 0) - b.get("experts", 0)
             load1 = os.getloadavg()[0]
             pickle_cost = plan_pickle_cost(ctx, batch)
             for name, eng in engines.items():
@@ -412,6 +436,9 @@ def bench_model(model: str, args, log, engines: dict | None = None) -> list[dict
                     "rank_run_ms": [x / n_steps * 1e3 for x in rank_s[name]],
                     "breakdown_ms": bd,
                     "bytes_sent_per_rank_per_step": [x / n_steps for x in sent[name]],
+                    "expert_bytes_sent_per_rank_per_step": [x / n_steps for x in sent_experts[name]],
+                    "moe_parallel": kw_of[name].get("moe_parallel", "ep"),
+                    "expert_weight_bytes_per_rank": held[name],
                     "gloo_allreduce_latency_ms": ping[name][0]["median_s"] * 1e3 if name in ping else None,
                     "gloo_allreduce_after_1ms_compute_ms": ping[name][1]["median_s"] * 1e3 if name in ping else None,
                     "comm_ms_all_ranks": [_breakdown(t, n_steps)["comm"] for t in timers[name]],
@@ -510,14 +537,14 @@ def bench_capacity(args, log, engines: dict | None = None) -> list[dict]:
 
 
 # ---- report -----------------------------------------------------------------------------------
-def _plot(results, capacity, out_dir):
+def _plot(results, capacity, moe, out_dir):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = sorted({r["model"] for r in results}, key=lambda m: list(MODELS).index(m))
-    ncols = len(models) + 2
+    ncols = len(models) + 3
     fig, ax = plt.subplots(1, ncols, figsize=(4.6 * ncols, 4.2))
     for i, m in enumerate(models):
         rs = [r for r in results if r["model"] == m]
@@ -555,6 +582,18 @@ def _plot(results, capacity, out_dir):
         c.set_xticks(range(len(capacity)), labels, fontsize=8)
         c.set_title(f"tokens (k) in {capacity[0]['budget_bytes'] // 2**20} MiB/rank")
         c.legend(fontsize=7)
+    e = ax[len(models) + 2]
+    if moe:
+        xs = range(len(moe))
+        e.bar(list(xs), [m["ratio"] for m in moe], 0.6, color="tab:purple")
+        for x, m in zip(xs, moe):
+            e.text(x, m["ratio"], f"{m['ratio']:.2f}\n{m['ep_s'] * 1e3:.1f}/{m['replicate_s'] * 1e3:.1f} ms",
+                   ha="center", va="bottom", fontsize=7)
+        e.axhline(1.0, color="k", lw=0.8)
+        e.set_xticks(list(xs), [f"{m['model']} {m['context'] // 1024}k" for m in moe], fontsize=8)
+        e.margins(y=0.25)
+    e.set_title("C2 step: moe_parallel ep / replicate")
+    e.set_ylabel("median step ratio (> 1: EP slower)")
     return save_plot(fig, out_dir, "decode_dcp.png")
 
 
@@ -575,7 +614,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.contexts, args.models, args.capacity_dcp = "2048,4096", "dense", "2"
-        args.steps, args.rounds, args.synthetic_kv = min(args.steps, 8), min(args.rounds, 4), True
+        args.steps, args.rounds, args.synthetic_kv = min(args.steps, 16), min(args.rounds, 8), True
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.capacity_dcp = [int(x) for x in args.capacity_dcp.split(",")]
     models = [m for m in args.models.split(",") if m]
@@ -643,6 +682,7 @@ def main() -> None:
              ("dsa", "C1", "C2 a2a copied", "C2 speed-up, copied index"),
              ("dsa", "C1", "C2 a2a split", "C2 speed-up, split index"),
              ("dsa", "C2 a2a copied", "C2 a2a split", "split speed-up over copied")]
+    pairs += [(model, ep, repl, "EP / replicated experts (ep/replicate)") for model, ep, repl in MOE_PAIRS]
     for model, slow, fast, label in pairs:
         for ctx in args.contexts:
             a = next((r for r in results if (r["model"], r["context"], r["variant"]) == (model, ctx, slow)), None)
@@ -654,6 +694,44 @@ def main() -> None:
                                "value": a["median_ms"] / b["median_ms"]})
     print_table("ratios of median step latency (> 1: the second variant is faster)",
                 ["model", "ctx", "ratio", "first", "ms", "second", "ms", "first/second"], ratio_rows)
+
+    # table 2b: EP vs replicated experts, the same rounds
+    moe, moe_rows = [], []
+    for model, ep, repl in MOE_PAIRS:
+        for ctx in args.contexts:
+            a = next((r for r in results if (r["model"], r["context"], r["variant"]) == (model, ctx, ep)), None)
+            b = next((r for r in results if (r["model"], r["context"], r["variant"]) == (model, ctx, repl)), None)
+            if not (a and b):
+                continue
+            moe.append({
+                "model": model, "context": ctx, "dcp": a["dcp"], "batch": args.batch, "steps": a["steps"],
+                "ep_variant": ep, "replicate_variant": repl,
+                "ep_s": a["median_ms"] / 1e3, "replicate_s": b["median_ms"] / 1e3,
+                "ratio": a["median_ms"] / b["median_ms"],
+                "ep_mean_s": a["mean_ms"] / 1e3, "replicate_mean_s": b["mean_ms"] / 1e3,
+                "mean_ratio": a["mean_ms"] / b["mean_ms"],
+                "ep_rank_run_ms": max(a["rank_run_ms"]), "replicate_rank_run_ms": max(b["rank_run_ms"]),
+                "ep_comm_ms": a["breakdown_ms"]["comm"], "replicate_comm_ms": b["breakdown_ms"]["comm"],
+                "ep_bytes_sent_per_rank_per_step": max(a["bytes_sent_per_rank_per_step"]),
+                "replicate_bytes_sent_per_rank_per_step": max(b["bytes_sent_per_rank_per_step"]),
+                "ep_expert_bytes_sent_per_rank_per_step": max(a["expert_bytes_sent_per_rank_per_step"]),
+                "replicate_expert_bytes_sent_per_rank_per_step": max(b["expert_bytes_sent_per_rank_per_step"]),
+                "ep_expert_weight_bytes_per_rank": max(a["expert_weight_bytes_per_rank"]),
+                "replicate_expert_weight_bytes_per_rank": max(b["expert_weight_bytes_per_rank"])})
+            m = moe[-1]
+            moe_rows.append([model, ctx, ep, a["median_ms"], b["median_ms"], m["ratio"], m["mean_ratio"],
+                             f"{m['ep_rank_run_ms']:.1f} / {m['replicate_rank_run_ms']:.1f}",
+                             f"{m['ep_comm_ms']:.1f} / {m['replicate_comm_ms']:.1f}",
+                             f"{m['ep_expert_bytes_sent_per_rank_per_step'] / 1024:.1f} / "
+                             f"{m['replicate_expert_bytes_sent_per_rank_per_step'] / 1024:.1f}",
+                             f"{m['ep_expert_weight_bytes_per_rank'] / 2**20:.2f} / "
+                             f"{m['replicate_expert_weight_bytes_per_rank'] / 2**20:.2f}"])
+    if moe_rows:
+        print_table("moe_parallel ep vs replicate, C2, same rounds (3 of 4 layers MoE: 8 experts top-2 + 1 shared); "
+                    "ep/repl > 1: EP is slower",
+                    ["model", "ctx", "ep variant", "ep median ms", "repl median ms", "ep/repl", "ep/repl (mean)",
+                     "rank run ms ep / repl", "in colls ms ep / repl", "MoE all-reduce KiB/step ep / repl",
+                     "expert weights MiB/rank ep / repl"], moe_rows)
 
     pings = [r["gloo_allreduce_latency_ms"] for r in results if r["gloo_allreduce_latency_ms"]]
     if pings:
@@ -682,10 +760,12 @@ def main() -> None:
                 ["C", "index", "pages/rank", "MiB/rank", "B/token/rank meas", "B/token/rank plan", "tokens meas",
                  "tokens plan", "meas/plan", "factor vs C1 meas", "factor plan"], cap_rows)
     print(f"runtime: capacity part {t_capacity:.1f}s, decode part {t_total - t_capacity:.1f}s, total {t_total:.1f}s")
-    _plot(results, capacity, args.out)
+    _plot(results, capacity, moe, args.out)
     emit_json(args.json, {"batch": args.batch, "threads_per_rank": 1, "contexts": args.contexts,
                           "models": {m: MODELS[m][1] | {"model_type": MODELS[m][0]} for m in models},
                           "decode": results, "ratios": ratios, "capacity": capacity,
+                          "moe_parallel": {"measure": "median decode step seconds, variants interleaved in the "
+                                                      "same rounds; ratio = ep / replicate", "results": moe},
                           "runtime_s": {"capacity": t_capacity, "total": t_total}})
 
 

@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import ROOT, base_parser, emit_json, print_table, save_plot
+from common import ROOT, base_parser, emit_json, print_table, proc_status, save_plot
 
 import torch
 
@@ -66,17 +66,6 @@ QUICK = dict(_COMMON, hidden_size=1024, num_hidden_layers=3, intermediate_size=2
 
 
 # ---- the child: one load, measured -------------------------------------------------------------
-def _status() -> dict[str, int]:
-    """/proc/self/status memory fields, in bytes."""
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key, _, rest = line.partition(":")
-            if key.startswith(("Vm", "Rss")):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
 class _Sampler(threading.Thread):
     """Largest RssAnon / RssFile seen, polled every `interval` seconds (a diagnostic)."""
 
@@ -87,7 +76,7 @@ class _Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.is_set():
-            s = _status()
+            s = proc_status()
             self.peak_anon = max(self.peak_anon, s.get("RssAnon", 0))
             self.peak_file = max(self.peak_file, s.get("RssFile", 0))
             time.sleep(self.interval)
@@ -100,20 +89,20 @@ class _Sampler(threading.Thread):
 def child(model_dir: str, dtype: str) -> None:
     from engine.model.loader import load_model
 
-    imported = _status()
+    imported = proc_status()
     # torch imports ~800 more modules (torch._refs, _prims, _decomp: ~1.6 s, ~70 MB) the first time
     # anything is built on the meta device, as load_model does: a one-time cost of the process, not
     # of the checkpoint, so it is paid before the baseline (and reported as import_warmup_bytes).
     with torch.device("meta"):
         torch.nn.Embedding(2, 2)
-    base = _status()
+    base = proc_status()
     sampler = _Sampler()
     sampler.start()
     t0 = time.perf_counter()
     lm = load_model(model_dir, dtype=dtype)
     seconds = time.perf_counter() - t0
     sampler.stop()
-    after = _status()
+    after = proc_status()
     seen, weights, by_dtype = set(), 0, {}
     for t in lm.state_dict().values():
         if t.data_ptr() in seen:  # tied weights count once

@@ -1,8 +1,9 @@
-"""Prefill context parallelism (CP): load balance of the layouts, C=1 vs C=2 prefill time, and
-all-gather bytes against the formula — all measured in one run.
+"""Prefill context parallelism (CP): load balance of the layouts, C=1 vs C=2 prefill time,
+all-gather bytes against the formula, and C=2 prefill time with expert parallelism (EP) against
+replicated experts — all measured in one run.
 
     python bench/prefill_cp.py [--quick] [--json] [--lengths 4096,16384] [--strategies zigzag,interleave]
-                               [--repeats 1] [--balance-tokens 131072] [--balance-cp 8]
+                               [--repeats 1] [--balance-tokens 131072] [--balance-cp 8] [--moe-repeats 4]
 
 (a) Balance. Per-rank causal query-key pairs (``RankLayout.pairs`` from
     ``engine.parallel.layout.split_batch``) of one prompt of 131,072 tokens over C = 8 ranks, for
@@ -38,12 +39,32 @@ all-gather bytes against the formula — all measured in one run.
     Reported as padded bytes (the formula; should equal the measurement) and useful bytes
     (tokens x entry bytes), and their ratio. An odd-length prompt is added so the zigzag
     padding shows.
+
+(d) EP vs replicated experts. The wide model of (b) has no routed experts, so this part uses its
+    own MoE checkpoint (``MOE_MODEL``: make_tiny deepseek_v3, 4 layers of which 3 are MoE with 8
+    routed experts, top-2, 1 shared expert, hidden 256, expert width 256, unrestricted routing
+    (n_group 1), and small attention: 2 heads, q/k head dim 32, v 16). Two C=2 engines of it
+    (first strategy of --strategies), one with ``moe_parallel="ep"`` (each rank holds 4 of the
+    8 experts; every MoE layer sends each token row to its experts' owner and back with two
+    uneven gloo all-to-alls) and one with ``moe_parallel="replicate"`` (each rank holds all 8 and
+    computes its own tokens locally: no expert traffic), prefill the same prompt at each of the
+    --lengths, alternating which goes first (ABBA...) for --moe-repeats runs each (quick: 2),
+    after a warm-up. Reported: the fastest TTFT (wall s) of each and ratio = ep / replicate
+    (> 1: EP is slower), the median over the runs paired in time of ep / replicate (less swayed
+    by one lucky run), the same for the forward time T (max rank forward s), the expert
+    all-to-all bytes each rank sent (``stats`` ``expert_bytes``), and an estimate of the share of
+    the forward's flops in the MoE layers (experts x 3 matmuls; attention counted as causal
+    pairs, so the share falls with the length: ~60% at 4k, ~1/3 at 16k). The ratio is the cost
+    of moving the routed rows (what EP buys: each rank loads half the experts, see
+    ``weights_held``), here on a loopback gloo group (CPU) with one thread per rank. ``--json``: under
+    ``moe_parallel``, one entry per length (``results``: tokens, cp, ep_s, replicate_s, ratio, ...).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import tempfile
 import time
 
@@ -61,6 +82,14 @@ WIDE_MODEL = dict(
     index_topk=131072, index_head_dim=64, index_n_heads=2,
     indexer_types=["full", "shared"], mlp_layer_types=["dense", "dense"],
 )
+MOE_TYPE = "deepseek_v3"
+MOE_MODEL = dict(
+    num_hidden_layers=4, first_k_dense_replace=1, hidden_size=256, intermediate_size=256,
+    moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    n_group=1, topk_group=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=64,
+    qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+)
+MOE_PARALLEL = ("ep", "replicate")
 
 
 # ---------------------------------------------------------------------------------- (a)
@@ -206,15 +235,122 @@ def c_row(cfg, n: int, strategy: str, run: dict, fig_c: dict) -> list:
             f"{f['useful_bytes']:,}", f"{f['padded_over_useful']:.5f}"]
 
 
+# ---------------------------------------------------------------------------------- (d)
+
+def flop_estimate(cfg, n: int) -> dict:
+    """Forward flops per token of an n-token prompt (one forward, no prefix): MoE layers (routed
+    + shared experts), dense MLPs, attention (causal pairs: (n+1)/2 keys a query) and the MLA
+    projections."""
+    h = cfg.hidden_size
+    moe_layers = sum(cfg.is_moe_layer(l) for l in range(cfg.num_layers))
+    experts = moe_layers * (cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * h * cfg.moe_intermediate_size * 2
+    dense = (cfg.num_layers - moe_layers) * 3 * h * cfg.intermediate_size * 2
+    heads = cfg.num_heads
+    attn = cfg.num_layers * (n + 1) / 2 * heads * (cfg.qk_head_dim + cfg.v_head_dim) * 2
+    q_out = heads * cfg.qk_head_dim
+    q = h * cfg.q_lora_rank + cfg.q_lora_rank * q_out if cfg.q_lora_rank else h * q_out
+    proj = cfg.num_layers * 2 * (q + h * cfg.latent_dim
+                                 + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+                                 + heads * cfg.v_head_dim * h)
+    total = experts + dense + attn + proj
+    return {"experts": experts, "dense_mlp": dense, "attention": attn, "projections": proj,
+            "moe_share": experts / total}
+
+
+def start_prefill_engines(specs: dict[str, dict]) -> dict:
+    """Start CPPrefillEngines in parallel threads (start-up is mostly spawn and imports)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.prefill_engine import CPPrefillEngine
+
+    with ThreadPoolExecutor(len(specs)) as ex:
+        futures = {key: ex.submit(CPPrefillEngine, **kw) for key, kw in specs.items()}
+    engines, errors = {}, []
+    for key, f in futures.items():
+        try:
+            engines[key] = f.result()
+        except Exception as exc:  # noqa: BLE001 — close the others, then re-raise
+            errors.append(exc)
+    if errors:
+        for e in engines.values():
+            e.close()
+        raise errors[0]
+    return engines
+
+
+def part_d(lengths: list[int], strategy: str, repeats: int) -> tuple[list[list], dict]:
+    """C=2 prefill with moe_parallel ep vs replicate, alternated (see the module docstring)."""
+    from engine.model.config import ModelConfig
+    from engine.model.tiny import make_tiny
+
+    rows = []
+    fig = {"model": {"model_type": MOE_TYPE, **MOE_MODEL}, "cp": 2, "strategy": strategy, "repeats": repeats,
+           "threads_per_rank": 1,
+           "measure": "fastest TTFT (wall s) of one C=2 prefill per engine; ratio = ep / replicate",
+           "results": []}
+    with tempfile.TemporaryDirectory(prefix="cpserve-bench-moe-") as tmp:
+        model_dir = make_tiny(f"{tmp}/moe", MOE_TYPE, seed=0, **MOE_MODEL)
+        cfg = ModelConfig.from_dir(model_dir)
+        if not any(cfg.is_moe_layer(l) for l in range(cfg.num_layers)):
+            raise RuntimeError("part (d): the MoE model has no MoE layers")
+        top = max(lengths)
+        common = dict(model=str(model_dir), cp=2, strategy=strategy, dtype="fp32", chunk_size=top, page_size=16,
+                      max_cache_tokens=2 * top + 1024, threads_per_rank=1)
+        t0 = time.perf_counter()
+        engines = start_prefill_engines({m: dict(common, moe_parallel=m) for m in MOE_PARALLEL})
+        fig["startup_s"] = time.perf_counter() - t0
+        try:
+            # what each rank holds (``weights_held``): EP halves the expert bytes at C=2
+            fig["weights_held"] = {m: e.group.call("weights") for m, e in engines.items()}
+            warm = make_prompt(256, cfg.vocab_size, 1)
+            for engine in engines.values():
+                prefill(engine, warm)
+            for n in lengths:
+                prompt = make_prompt(n, cfg.vocab_size, n)
+                runs = {m: [] for m in MOE_PARALLEL}
+                for i in range(repeats):  # ABBA...: each order as often, so drift hits both alike
+                    for m in (MOE_PARALLEL if i % 2 == 0 else MOE_PARALLEL[::-1]):
+                        before = [s["expert_bytes"] for s in engines[m].group.call("stats")]
+                        r = prefill(engines[m], prompt)
+                        r["expert_bytes"] = [s["expert_bytes"] - b
+                                             for s, b in zip(engines[m].group.call("stats"), before)]
+                        runs[m].append(r)
+                best = {m: min(runs[m], key=lambda r: r["ttft_s"]) for m in MOE_PARALLEL}
+                fwd = {m: min(r["t"] for r in runs[m]) for m in MOE_PARALLEL}
+                ep_s, rep_s = best["ep"]["ttft_s"], best["replicate"]["ttft_s"]
+                est = flop_estimate(cfg, n)
+                low = min(min(r["cpu_share"]) for m in MOE_PARALLEL for r in runs[m])
+                ratios = [a["ttft_s"] / b["ttft_s"] for a, b in zip(runs["ep"], runs["replicate"])]
+                fig["results"].append({
+                    "tokens": n, "cp": 2, "ep_s": ep_s, "replicate_s": rep_s, "ratio": ep_s / rep_s,
+                    "ep_forward_s": fwd["ep"], "replicate_forward_s": fwd["replicate"],
+                    "forward_ratio": fwd["ep"] / fwd["replicate"],
+                    "ep_runs_s": [r["ttft_s"] for r in runs["ep"]],
+                    "replicate_runs_s": [r["ttft_s"] for r in runs["replicate"]],
+                    "paired_ratios": ratios, "ratio_median_of_pairs": statistics.median(ratios),
+                    "ep_expert_bytes_per_rank": best["ep"]["expert_bytes"],
+                    "replicate_expert_bytes_per_rank": best["replicate"]["expert_bytes"],
+                    "ep_rank_s": best["ep"]["rank_s"], "replicate_rank_s": best["replicate"]["rank_s"],
+                    "min_cpu_share": low, "flops_per_token": est, "moe_flop_share": est["moe_share"]})
+                rows.append([n, ep_s, rep_s, ep_s / rep_s, fwd["ep"], fwd["replicate"], fwd["ep"] / fwd["replicate"],
+                             " ".join(f"{x:.2f}" for x in ratios), statistics.median(ratios),
+                             " / ".join(f"{b / 2**20:.1f}" for b in best["ep"]["expert_bytes"]),
+                             f"{est['moe_share']:.0%}", f"{low:.2f}"])
+        finally:
+            for e in engines.values():
+                e.close()
+    return rows, fig
+
+
 # ---------------------------------------------------------------------------------- plot
 
-def plot(fig_a: dict, fig_b: dict, fig_c: dict, out_dir: str) -> None:
+def plot(fig_a: dict, fig_b: dict, fig_c: dict, fig_d: dict, out_dir: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    fig, ax = plt.subplots(1, 4, figsize=(20, 4))
     cp = fig_a["cp"]
     width = 0.8 / len(fig_a["layouts"])
     for i, (s, d) in enumerate(fig_a["layouts"].items()):
@@ -250,6 +386,21 @@ def plot(fig_a: dict, fig_b: dict, fig_c: dict, out_dir: str) -> None:
     ax[2].set_ylabel("MiB received per rank per prefill")
     ax[2].set_title("(c) all-gather bytes, C=2")
     ax[2].legend(fontsize=8)
+
+    rd = fig_d["results"]
+    xs = range(len(rd))
+    ax[3].bar([x - 0.2 for x in xs], [r["ep_s"] for r in rd], 0.4, label="moe_parallel ep")
+    ax[3].bar([x + 0.2 for x in xs], [r["replicate_s"] for r in rd], 0.4, label="moe_parallel replicate")
+    for x, r in zip(xs, rd):
+        ax[3].text(x, max(r["ep_s"], r["replicate_s"]),
+                   f"ep/repl {r['ratio']:.2f}\nMoE ~{r['moe_flop_share']:.0%} flops", ha="center", va="bottom",
+                   fontsize=8)
+    ax[3].set_xticks(list(xs), [f"{r['tokens']}" for r in rd], fontsize=8)
+    ax[3].set_xlabel("prompt tokens")
+    ax[3].set_ylabel("TTFT s (fastest)")
+    ax[3].margins(y=0.25)
+    ax[3].set_title(f"(d) C=2 {fig_d['strategy']}, MoE model: EP vs replicated experts")
+    ax[3].legend(fontsize=8)
     save_plot(fig, out_dir, "prefill_cp.png")
 
 
@@ -261,6 +412,8 @@ def main() -> None:
     p.add_argument("--balance-tokens", type=int, default=131072)
     p.add_argument("--balance-cp", type=int, default=8)
     p.add_argument("--odd-length", type=int, default=1001, help="extra prompt for (c) that needs padding")
+    p.add_argument("--moe-repeats", type=int, default=4,
+                   help="prefills per (length, moe_parallel) in (d), order alternated (--quick: 2)")
     args = p.parse_args()
     lengths = [2048, 4096] if args.quick else [int(x) for x in args.lengths.split(",")]
     strategies = ["zigzag"] if args.quick else [s for s in args.strategies.split(",") if s]
@@ -291,11 +444,25 @@ def main() -> None:
                 ["tokens", "strategy", "max tok/rank", "entry B/layer", "measured B (rank 0 / 1)", "formula (padded) B",
                  "match", "useful B (tokens·entry)", "padded/useful"], rows_c)
 
-    plot(fig_a, fig_b, fig_c, args.out)
+    rows_d, fig_d = part_d(lengths, strategies[0], 2 if args.quick else args.moe_repeats)
+    print_table(f"(d) C=2 {strategies[0]} prefill of an MoE model ({MOE_TYPE}, {MOE_MODEL['n_routed_experts']} "
+                f"experts top-{MOE_MODEL['num_experts_per_tok']} + {MOE_MODEL['n_shared_experts']} shared, "
+                f"3 of 4 layers MoE): moe_parallel ep vs replicate, alternated, fastest of {fig_d['repeats']}",
+                ["tokens", "TTFT ep s", "TTFT repl s", "ep/repl", "T ep s", "T repl s", "T ep/repl",
+                 "ep/repl per pair", "median pair", "expert a2a MiB/rank (ep)", "MoE flops (est.)", "min CPU share"], rows_d)
+    print("ep: each rank holds half the routed experts and sends token rows to their owners and back (two gloo "
+          "all-to-alls per MoE layer); replicate: every rank holds all experts, no expert traffic. "
+          "ep/repl > 1: EP is slower. T = max rank forward s.")
+    held = {m: max(r["bytes"] for r in ranks) / 2**20 for m, ranks in fig_d["weights_held"].items()}
+    experts = {m: max(r["expert_bytes"] for r in ranks) / 2**20 for m, ranks in fig_d["weights_held"].items()}
+    print("weights per rank (MiB, routed experts in brackets): "
+          + ", ".join(f"{m} {held[m]:.1f} ({experts[m]:.1f})" for m in held))
+
+    plot(fig_a, fig_b, fig_c, fig_d, args.out)
     elapsed = time.perf_counter() - t_start
     print(f"runtime: {elapsed:.1f} s")
     emit_json(args.json, {"quick": args.quick, "balance": fig_a, "scaling": fig_b, "allgather": fig_c,
-                          "runtime_s": elapsed})
+                          "moe_parallel": fig_d, "runtime_s": elapsed})
 
 
 if __name__ == "__main__":

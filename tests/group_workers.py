@@ -122,4 +122,4 @@ class ExpertWorker:
         ref = LOCAL_EXPERTS(self.full, x, idx, weights)[mine]
         held = moe.experts.held
         got = [int((idx == e).sum()) for e in held]
-        return out, ref, {"experts": [held.start, held.stop], "pairs_per_expert": got}
+        return out, ref, {"experts": [held.start, held.stop], "pairs_per_expert": got, "bytes_in": dispatch.bytes_sent}

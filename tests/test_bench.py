@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # smaller than --quick where a benchmark allows it: this checks that it runs, not its figures
-SMALLER = {"kv_transfer": ["--tokens", "1024,2048"], "serving": ["--concurrency", "1,4"]}
+SMALLER = {"kv_transfer": ["--tokens", "1024,2048"], "serving": ["--concurrency", "1,4"], "memory": ["--groups", "2"]}
 BENCHES = {  # benchmark → (plot it writes, a key its JSON must have)
     "reference": ("reference.png", "results"),
     "prefill_cp": ("prefill_cp.png", "runtime_s"),
@@ -21,6 +21,7 @@ BENCHES = {  # benchmark → (plot it writes, a key its JSON must have)
     "kv_transfer": ("kv_transfer.png", "runtime_s"),
     "serving": ("serving.png", "token_ids_match"),
     "load": ("load.png", "pass"),
+    "memory": ("memory.png", "within_10pct"),
 }
 
 

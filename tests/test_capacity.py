@@ -136,7 +136,6 @@ def test_cli_table(capsys):
         (["--model", "tiny", "--layers", "3", "--dcp", "2", "--indexer", "copied"], "--layers"),
         ([*RAW, "--dcp", "0", "--indexer", "copied"], "--dcp"),
         ([*RAW, "--dcp", "2", "--indexer", "both"], "--indexer"),
-        ([*RAW, "--dcp", "2"], "--indexer"),
     ],
 )
 def test_cli_bad_flags_name_the_flag(argv, flag, capsys):

@@ -135,6 +135,13 @@ def test_decode_reduced_dispatch_equals_one_process(world):
         assert torch.allclose(out, ref, rtol=0, atol=2e-6 * float(ref.abs().max())), f"rank {r}"
         assert torch.equal(out, results[0][0])  # every rank ends with the same output
     assert sum(sum(info["pairs_per_expert"]) for _, _, info in results) == idx.numel()
+    # `cpserve plan`'s MoE all-reduce: (k + 1) rows of h fp32 values a token, what the ranks put in
+    from engine.cache.capacity import plan_capacity
+
+    plan = plan_capacity(576, 1, 0, 0, dcp=world, indexer="copied", tokens=None, hidden_size=cfg.hidden_size,
+                         moe_layers=1, moe_rows=cfg.num_experts_per_tok + 1)
+    moe_rows = next(c for c in plan.collectives if c.name == "MoE rows")
+    assert all(info["bytes_in"] == x.shape[0] * moe_rows.bytes_in for _, _, info in results)
 
 
 # ---- per-rank loading --------------------------------------------------------------------------
@@ -235,3 +242,72 @@ def test_each_rank_of_a_group_holds_only_its_experts():
     full = load_model("tiny")
     one_copy = sum(p.numel() * p.element_size() for n, p in full.state_dict().items() if ".mlp.experts." in n)
     assert expert_total == one_copy
+
+
+# ---- options ------------------------------------------------------------------------------
+def test_options_reach_the_engines_and_bad_values_name_their_field(tmp_path):
+    from engine.cache.capacity import decode_row_bytes, pages_in_budget, parse_bytes
+    from services.common.config import ConfigError, load_config
+
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("prefill:\n  moe_parallel: replicate\ndecode:\n  kv_cache_memory: 64MiB\n")
+    pre, dec = load_config("prefill", yaml_file), load_config("decode", yaml_file)
+    assert pre.engine_kwargs["moe_parallel"] == "replicate" and dec.engine_kwargs["moe_parallel"] == "ep"
+    assert dec.engine_kwargs["kv_cache_memory"] == "64MiB"
+    with pytest.raises(ConfigError, match="moe_parallel"):
+        load_config("decode", overrides={"moe_parallel": "tp"})
+    with pytest.raises(ConfigError, match="kv_cache_memory"):
+        load_config("decode", overrides={"kv_cache_memory": "lots"})
+    assert parse_bytes("20GiB") == 20 << 30 and parse_bytes("1.5 MB") == 1_500_000 and parse_bytes(4096) == 4096
+    cfg = load_model("tiny").cfg
+    row = decode_row_bytes(cfg, 4, 2, "copied")
+    assert pages_in_budget(cfg, 64 << 20, "fp32", 16, 2, "copied") == (64 << 20) // (row * 16)
+    assert decode_row_bytes(cfg, 4, 2, "split") < row
+    with pytest.raises(ValueError, match="kv_cache_memory: 100 bytes"):
+        pages_in_budget(cfg, 100, "fp32", 16, 2, "copied")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("dcp,moe_parallel", [(2, "ep"), (4, "ep"), (2, "replicate")])
+def test_plan_weights_and_tokens_equal_what_the_decode_ranks_hold(dcp, moe_parallel, capsys):
+    """`cpserve plan --memory-per-rank`: its weight bytes per rank are the sum of each decode
+    rank's parameter bytes (exact), and a decode service given the cache budget it prints holds
+    exactly the tokens it says fit."""
+    from cpserve.cli import main
+    from engine.decode_engine import DCPDecodeEngine
+
+    capsys.readouterr()
+    assert main(["plan", "--model", "tiny", "--dcp", str(dcp), "--moe-parallel", moe_parallel, "--kv-dtype", "fp32",
+                 "--memory-per-rank", "12MiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    budget = plan["cache_bytes_per_rank"]
+    assert budget == (12 << 20) - plan["weight_bytes_per_rank"] > 0
+    with DCPDecodeEngine("tiny", dcp=dcp, reference_prefill=False, kv_cache_memory=budget,
+                         moe_parallel=moe_parallel) as dec:
+        held, mem = dec.group.call("weights"), dec.group.call("memory")
+    assert [r["total"] for r in plan["weights"]["per_rank"]] == [w["bytes"] for w in held]
+    assert [r["routed_experts"] for r in plan["weights"]["per_rank"]] == [w["expert_bytes"] for w in held]
+    assert plan["weight_bytes_per_rank"] == max(w["bytes"] for w in held)
+    assert plan["weights"]["expert_copies"] == (1.0 if moe_parallel == "ep" else dcp)
+    assert plan["tokens_that_fit"] == sum(m["num_rows"] for m in mem)
+    for m in mem:
+        used = m["latent_bytes"] + m["index_bytes"]
+        page = used // m["num_rows"] * 16
+        assert used <= budget < used + page  # the pool fills the budget to within one page
+
+
+def test_plan_memory_per_rank_errors(capsys):
+    from cpserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "tiny", "--dcp", "2", "--memory-per-rank", "lots"])
+    assert "--memory-per-rank" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--entry-bytes", "576", "--layers", "3", "--dcp", "2", "--memory-per-rank", "1GiB"])
+    assert "--memory-per-rank needs --model" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny", "--dcp", "2", "--memory-per-rank", "1MiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens_that_fit"] == 0 and out["cache_bytes_per_rank"] == 0  # the weights alone exceed it
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "tiny", "--dcp", "3"])
+    assert "--dcp 3 must divide" in capsys.readouterr().err

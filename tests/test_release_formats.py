@@ -231,19 +231,23 @@ def test_generation_config_eos_list_and_sampling_defaults(tmp_path):
 
 
 def test_plan_reports_the_weights_every_rank_holds(fp8, capsys):
-    """`cpserve plan --model DIR` sizes the weights from config.json alone; the figure equals
-    what the loader really allocates, for each dtype."""
+    """`cpserve plan --model DIR` sizes the weights from config.json alone; each figure equals
+    what the loader really allocates for that decode rank of an FP8 release, for each dtype."""
     from cpserve.cli import main
     from engine.model.loader import load_model
+    from engine.parallel.shard import WeightShard
 
     path, _ = fp8
     for dtype in ("fp32", "bf16"):
         capsys.readouterr()
         assert main(["plan", "--model", str(path), "--dcp", "2", "--indexer", "copied", "--dtype", dtype,
                      "--json"]) == 0
-        planned = json.loads(capsys.readouterr().out)["weight_bytes_per_rank"]
-        lm = load_model(path, dtype)
-        assert planned == sum(t.numel() * t.element_size() for t in lm.state_dict().values())
+        weights = json.loads(capsys.readouterr().out)["weights"]
+        whole = load_model(path, dtype)
+        assert weights["whole_model"]["total"] == sum(t.numel() * t.element_size() for t in whole.state_dict().values())
+        for r, planned in enumerate(weights["per_rank"]):
+            lm = load_model(path, dtype, shard=WeightShard(r, 2, tp=True))
+            assert planned["total"] == sum(t.numel() * t.element_size() for t in lm.state_dict().values())
 
 
 def test_cpserve_up_passes_the_serving_flags_to_its_services(monkeypatch):

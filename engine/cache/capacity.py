@@ -109,7 +109,7 @@ class Collective:
 
     name: str
     op: Literal["all_gather", "all_to_all", "reduce_scatter", "all_reduce"]
-    layers: Literal["all", "indexer"]
+    layers: Literal["all", "indexer", "dense", "moe"]
     num_layers: int
     bytes_in: float
     bytes_sent: float
@@ -177,6 +177,8 @@ def plan_capacity(
     index_topk: int | None = None,
     exchange: Exchange = "a2a",
     replicate_q_proj: bool = False,
+    moe_layers: int = 0,
+    moe_rows: int = 1,
 ) -> CapacityPlan:
     """Plan one decode DCP group. Memory formulas are in the module docstring.
 
@@ -191,13 +193,19 @@ def plan_capacity(
       reduce-scatter of the rescaled partial outputs, ``H r a``.
     - split-index candidates, indexer layers, split index only: all-gather of each rank's local
       top-k of (fp32 score, int32 position), ``topk * 8``. A copied index sends nothing.
-    - tensor-parallel all-reduce of the hidden state after o_proj and after the MLP (the FFN
-      runs as TP over the same group), ``h a`` each.
+    - tensor-parallel all-reduce of the hidden state after o_proj, ``h a``, and after the MLP:
+      dense layers (TP over the same group) ``h a``; the ``moe_layers`` MoE layers
+      ``moe_rows h a``, where ``moe_rows`` is k + 1 with expert parallelism (each token's k
+      routed outputs, of which each rank computed its own, plus the shared experts' TP
+      partial: an exact combine in the reference's order), 1 with replicated experts and a
+      shared expert, 0 with replicated experts and none.
     """
     _check_plan_inputs(entry_bytes_per_layer, layers, index_bytes_per_layer, indexer_layers,
                        dcp, indexer, tokens)
     if exchange not in ("a2a", "ag_rs"):
         raise ValueError(f"exchange must be 'a2a' or 'ag_rs', got {exchange!r}")
+    if not 0 <= moe_layers <= layers:
+        raise ValueError(f"moe_layers must be in 0..layers ({layers}), got {moe_layers}")
     total_e = entry_bytes_per_layer * layers
     total_i = index_bytes_per_layer * indexer_layers
     if indexer == "copied":
@@ -208,7 +216,7 @@ def plan_capacity(
         ceiling = None
     collectives = _collectives(
         dcp, layers, indexer_layers, indexer, num_heads, kv_lora_rank, rope_dim, act_bytes,
-        hidden_size, index_topk, exchange, replicate_q_proj,
+        hidden_size, index_topk, exchange, replicate_q_proj, moe_layers, moe_rows,
     )
     return CapacityPlan(
         dcp=dcp, indexer=indexer, entry_bytes=total_e, index_bytes=total_i,
@@ -241,7 +249,7 @@ def _check_plan_inputs(
 def _collectives(
     C: int, layers: int, indexer_layers: int, indexer: str, num_heads: int | None,
     kv_lora_rank: int | None, rope_dim: int | None, a: int, hidden_size: int | None,
-    index_topk: int | None, exchange: str, replicate_q_proj: bool,
+    index_topk: int | None, exchange: str, replicate_q_proj: bool, moe_layers: int = 0, moe_rows: int = 1,
 ) -> tuple[Collective, ...]:
     if C == 1:
         return ()
@@ -262,7 +270,13 @@ def _collectives(
                          index_topk * _CANDIDATE_BYTES, C))
     if hidden_size is not None:
         out.append(_make("o_proj hidden", "all_reduce", "all", layers, hidden_size * a, C))
-        out.append(_make("MLP hidden", "all_reduce", "all", layers, hidden_size * a, C))
+        if not moe_layers:
+            out.append(_make("MLP hidden", "all_reduce", "all", layers, hidden_size * a, C))
+        else:
+            if layers > moe_layers:
+                out.append(_make("MLP hidden", "all_reduce", "dense", layers - moe_layers, hidden_size * a, C))
+            if moe_rows:
+                out.append(_make("MoE rows", "all_reduce", "moe", moe_layers, moe_rows * hidden_size * a, C))
     return tuple(out)
 
 
@@ -306,9 +320,18 @@ def build_parser_plan(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument("--act-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="activation dtype of the collectives (default fp32)")
     parser.add_argument("--dcp", required=True, type=_positive_int, help="DCP group size C")
-    parser.add_argument("--indexer", required=True, choices=("copied", "split"))
+    parser.add_argument("--indexer", choices=("copied", "split"), default="copied",
+                        help="sparse-attention index on decode (default copied, as the decode service)")
     parser.add_argument("--exchange", choices=("a2a", "ag_rs"), default="a2a")
     parser.add_argument("--replicate-q-proj", action="store_true")
+    parser.add_argument("--moe-parallel", choices=("ep", "replicate"), default="ep",
+                        help="with --model: routed experts split across the DCP ranks (ep, the default) "
+                        "or a full copy on each (replicate)")
+    parser.add_argument("--memory-per-rank", type=_byte_count, metavar="BYTES",
+                        help="with --model: memory of one decode rank (e.g. 20GiB); prints the tokens of "
+                        "cache that fit beside the weights (runtime overhead not included)")
+    parser.add_argument("--page-size", type=_positive_int, default=16,
+                        help="cache rows per page, as the decode service (default 16)")
     parser.add_argument("--tokens", type=_non_negative_int, help="cached tokens to size for")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run_plan, plan_parser=parser)
@@ -317,32 +340,62 @@ def build_parser_plan(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan described by ``args``; returns the exit status (0)."""
+    if args.model is None and args.memory_per_rank is not None:
+        _fail(args, "--memory-per-rank needs --model (the weights come from its config.json)")
     sizes = _model_sizes(args) if args.model is not None else _raw_sizes(args)
     plan = plan_capacity(
         **sizes, dcp=args.dcp, indexer=args.indexer, tokens=args.tokens,
         act_bytes=bytes_per_value(args.act_dtype), exchange=args.exchange,
         replicate_q_proj=args.replicate_q_proj,
     )
-    weights, dtype = _weight_bytes(args) if args.model is not None else (None, None)
+    weights = _weights(args) if args.model is not None else None
+    fit = (tokens_in_budget(plan, args.memory_per_rank - weights["per_rank_max"], args.page_size)
+           if weights is not None and args.memory_per_rank is not None else None)
     if args.json:
         out = plan.to_dict()
         if weights is not None:
-            out["weight_bytes_per_rank"] = weights
+            out["weight_bytes_per_rank"] = weights["per_rank_max"]
+            out["weights"] = weights
+        if fit is not None:
+            out["memory_per_rank"] = args.memory_per_rank
+            out["cache_bytes_per_rank"] = max(0, args.memory_per_rank - weights["per_rank_max"])
+            out["tokens_that_fit"] = fit
         print(json.dumps(out))
     else:
-        _print_plan(plan, weights, dtype)
+        _print_plan(plan, weights, args.memory_per_rank, fit)
     return 0
 
 
-def _weight_bytes(args: argparse.Namespace) -> tuple[int, str]:
-    """What every rank holds of the model today (the whole model, in the compute dtype), and
-    that dtype. Reads config.json only: a plan needs no weights on disk."""
+def tokens_in_budget(plan: CapacityPlan, budget: int, page_size: int) -> int:
+    """Cached tokens a DCP group holds when each rank has ``budget`` bytes of cache, paged as the
+    decode service pages it (``pages_in_budget``): a rank's row costs E plus I once (split
+    index) or C times (copied: every rank keeps every token's keys); the group holds C rows per
+    token slot."""
+    if budget <= 0:
+        return 0
+    row = plan.entry_bytes + plan.index_bytes * (plan.dcp if plan.indexer == "copied" else 1)
+    return budget // (row * page_size) * page_size * plan.dcp
+
+
+def _weights(args: argparse.Namespace) -> dict:
+    """What each decode rank of the layout holds of the model (in the compute dtype), by kind.
+    Reads config.json only: a plan needs no weights on disk."""
     from engine.model.config import ModelConfig
-    from engine.model.loader import resolve_dtype, weight_bytes
+    from engine.model.loader import resolve_dtype, weight_breakdown
+    from engine.parallel.shard import WeightShard
 
     cfg = ModelConfig.load(args.model)
     dtype = resolve_dtype(args.dtype, cfg)
-    return weight_bytes(cfg, dtype), dtype
+    if cfg.num_heads % args.dcp:
+        _fail(args, f"--dcp {args.dcp} must divide the model's {cfg.num_heads} attention heads")
+    whole = weight_breakdown(cfg, dtype)
+    ranks = [weight_breakdown(cfg, dtype, WeightShard(r, args.dcp, tp=True, moe_parallel=args.moe_parallel,
+                                                          replicate_q_proj=args.replicate_q_proj))
+             for r in range(args.dcp)]
+    experts = whole["routed_experts"]
+    return {"dtype": dtype, "moe_parallel": args.moe_parallel, "whole_model": whole, "per_rank": ranks,
+            "per_rank_max": max(r["total"] for r in ranks),
+            "expert_copies": sum(r["routed_experts"] for r in ranks) / experts if experts else None}
 
 
 def _raw_sizes(args: argparse.Namespace) -> dict:
@@ -374,35 +427,38 @@ def _model_sizes(args: argparse.Namespace) -> dict:
         _fail(args, f"--model {args.model}: {error}")
     dtype = args.kv_dtype or "bf16"
     has_index = cfg.num_indexer_layers > 0
+    moe_layers = sum(cfg.is_moe_layer(layer) for layer in range(cfg.num_layers))
+    shared = 1 if cfg.n_shared_experts else 0
+    moe_rows = cfg.num_experts_per_tok + shared if args.moe_parallel == "ep" else shared
     return dict(
         entry_bytes_per_layer=cfg.latent_dim * bytes_per_value(dtype), layers=cfg.num_layers,
         index_bytes_per_layer=index_key_bytes(cfg.index_head_dim, dtype) if has_index else 0,
         indexer_layers=cfg.num_indexer_layers, num_heads=cfg.num_heads,
         kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim,
         hidden_size=cfg.hidden_size, index_topk=cfg.index_topk if has_index else None,
+        moe_layers=moe_layers, moe_rows=moe_rows,
     )
 
 
-def _print_plan(plan: CapacityPlan, weights: int | None = None, dtype: str | None = None) -> None:
+def _print_plan(plan: CapacityPlan, weights: dict | None = None, memory: int | None = None,
+                fit: int | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    memory = Table(title=f"decode cache per rank, DCP={plan.dcp}, {plan.indexer} index")
-    memory.add_column("quantity")
-    memory.add_column("value", justify="right")
-    memory.add_row("latent E (bytes/token, all layers)", f"{plan.entry_bytes:,}")
-    memory.add_row("index I (bytes/token, indexer layers)", f"{plan.index_bytes:,}")
-    memory.add_row("bytes/token on one rank", f"{plan.bytes_per_token_per_rank_rounded:,}")
-    memory.add_row("capacity factor vs DCP=1", f"{plan.capacity_factor:.2f}")
-    memory.add_row("ceiling (C → ∞)", "none" if plan.ceiling is None else f"{plan.ceiling:.1f}")
+    table = Table(title=f"decode cache per rank, DCP={plan.dcp}, {plan.indexer} index")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("latent E (bytes/token, all layers)", f"{plan.entry_bytes:,}")
+    table.add_row("index I (bytes/token, indexer layers)", f"{plan.index_bytes:,}")
+    table.add_row("bytes/token on one rank", f"{plan.bytes_per_token_per_rank_rounded:,}")
+    table.add_row("capacity factor vs DCP=1", f"{plan.capacity_factor:.2f}")
+    table.add_row("ceiling (C → ∞)", "none" if plan.ceiling is None else f"{plan.ceiling:.1f}")
     if plan.tokens is not None:
-        memory.add_row(f"busiest rank, {plan.tokens:,} tokens", _human(plan.bytes_per_rank))
-    if weights is not None:
-        memory.add_row(f"weights per rank (whole model, {dtype})", _human(weights))
-        if plan.tokens is not None:
-            memory.add_row("weights + cache, busiest rank", _human(weights + plan.bytes_per_rank))
+        table.add_row(f"busiest rank, {plan.tokens:,} tokens", _human(plan.bytes_per_rank))
     console = Console()
-    console.print(memory)
+    console.print(table)
+    if weights is not None:
+        _print_weights(console, plan, weights, memory, fit)
     if not plan.collectives:
         return
     comm = Table(title="collectives per decode step: bytes per rank, layer and decoded token")
@@ -413,6 +469,36 @@ def _print_plan(plan: CapacityPlan, weights: int | None = None, dtype: str | Non
         comm.add_row(c.name, c.op, layers, f"{c.bytes_in:,.0f}", f"{c.bytes_sent:,.0f}")
     comm.caption = f"sent per rank per token per step: {_human(plan.bytes_sent_per_token_per_step)}"
     console.print(comm)
+
+
+def _print_weights(console, plan: CapacityPlan, weights: dict, memory: int | None, fit: int | None) -> None:
+    from rich.table import Table
+
+    ranks = weights["per_rank"]
+    table = Table(title=f"weights per rank (decode, DCP={plan.dcp}), moe_parallel {weights['moe_parallel']}, "
+                  f"{weights['dtype']}")
+    table.add_column("")
+    for column in ("routed experts", "embeddings + lm_head", "other", "total"):
+        table.add_column(column, justify="right")
+    kinds = ("routed_experts", "embeddings", "other", "total")
+    table.add_row("whole model", *(_human(weights["whole_model"][k]) for k in kinds))
+    for r, rank in enumerate(ranks):
+        table.add_row(f"rank {r}", *(_human(rank[k]) for k in kinds))
+    table.caption = "other: attention, norms, router, shared experts, dense MLPs"
+    if weights["expert_copies"] is not None:
+        table.caption += f"; the group holds {weights['expert_copies']:.2f} copies of the routed experts"
+    console.print(table)
+    if plan.tokens is not None:
+        console.print(f"weights + cache, busiest rank, {plan.tokens:,} tokens: "
+                      f"{_human(weights['per_rank_max'] + plan.bytes_per_rank)}")
+    if memory is not None:
+        free = memory - weights["per_rank_max"]
+        if free <= 0:
+            console.print(f"[bold red]{_human(memory)} per rank does not hold the weights "
+                          f"({_human(weights['per_rank_max'])} on the busiest rank): no cache fits[/]")
+        else:
+            console.print(f"{_human(memory)} per rank: {_human(free)} of cache beside the weights → "
+                          f"[bold]{fit:,} tokens[/] fit (decode --kv-cache-memory {free})")
 
 
 def _human(num_bytes: float) -> str:
@@ -443,6 +529,13 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def _byte_count(text: str) -> int:
+    try:
+        return parse_bytes(text, "--memory-per-rank")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error))
 
 
 def _positive_int(text: str) -> int:

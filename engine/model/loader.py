@@ -394,8 +394,24 @@ def tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
 def weight_bytes(cfg: ModelConfig, dtype: str = "auto", shard: WeightShard | None = None) -> int:
     """Bytes of the model's tensors once loaded in ``dtype`` by a process holding ``shard`` of
     them (the whole model without one)."""
+    return weight_breakdown(cfg, dtype, shard)["total"]
+
+
+_EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def weight_breakdown(cfg: ModelConfig, dtype: str = "auto", shard: WeightShard | None = None) -> dict[str, int]:
+    """:func:`weight_bytes` by kind: ``routed_experts`` (``mlp.experts.*``, what expert
+    parallelism splits), ``embeddings`` (``embed_tokens`` and ``lm_head``, replicated),
+    ``other`` (attention, norms, router, shared experts, dense MLPs) and their ``total``."""
     torch_dtype = parse_dtype(resolve_dtype(dtype, cfg))
-    return sum(tensor_bytes(n, s, torch_dtype) for n, s in local_shapes(cfg, shard).items())
+    out = dict.fromkeys(("routed_experts", "embeddings", "other", "total"), 0)
+    for name, shape in local_shapes(cfg, shard).items():
+        n = tensor_bytes(name, shape, torch_dtype)
+        kind = "routed_experts" if ".mlp.experts." in name else "embeddings" if name in _EMBEDDINGS else "other"
+        out[kind] += n
+        out["total"] += n
+    return out
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "fp32", device: str = "cpu",
