@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # smaller than --quick where a benchmark allows it: this checks that it runs, not its figures
-SMALLER = {"kv_transfer": ["--tokens", "1024,2048"], "serving": ["--concurrency", "1,4"], "memory": ["--groups", "2"]}
+SMALLER = {"kv_transfer": ["--tokens", "1024,2048"], "serving": ["--concurrency", "1,4"], "memory": ["--groups", "2"],
+           "engine": ["--batches", "1,4", "--new-tokens", "8"]}
 BENCHES = {  # benchmark → (plot it writes, a key its JSON must have)
     "reference": ("reference.png", "results"),
     "prefill_cp": ("prefill_cp.png", "runtime_s"),
@@ -22,6 +23,7 @@ BENCHES = {  # benchmark → (plot it writes, a key its JSON must have)
     "serving": ("serving.png", "token_ids_match"),
     "load": ("load.png", "pass"),
     "memory": ("memory.png", "within_10pct"),
+    "engine": ("engine.png", "tokens_match"),
 }
 
 

@@ -312,6 +312,23 @@ def test_row_gatherer_reuses_its_buffer_for_large_gathers():
     rows2, valid = gather(pool, [small, big[:7]])  # padded batch: same buffer, a mask
     assert rows2.data_ptr() == gather.buf.data_ptr() and valid.sum(1).tolist() == [100, 7]
     assert torch.equal(rows2[0], pool[small]) and torch.equal(rows2[1, :7], pool[big[:7]])
+    assert torch.equal(rows2[1, 7:], pool[0].expand(93, -1))  # padding: row 0 of the pool, finite
+    rows3, valid = gather(pool, [small[:0], big[:3]])  # a request with no rows here (a DCP shard)
+    assert valid.sum(1).tolist() == [0, 3] and torch.equal(rows3[1], pool[big[:3]])
+
+
+def test_row_gatherer_grows_geometrically_as_decode_lengthens():
+    """Decode adds one row per request a step: the buffer must not be re-allocated each step."""
+    from engine.cache.gather import RowGatherer
+
+    pool = torch.randn(20000, 64)
+    gather, allocations, held = RowGatherer(), 0, None
+    for n in range(2000, 2400):
+        rows, valid = gather(pool, [torch.arange(n), torch.arange(n // 2)])
+        if gather.buf is not held:
+            allocations, held = allocations + 1, gather.buf
+        assert torch.equal(rows[0], pool[:n]) and torch.equal(rows[1, : n // 2], pool[: n // 2])
+    assert allocations <= 2
 
 
 def test_bound_attributes_follow_reassignment(glm_dir):

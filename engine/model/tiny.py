@@ -115,11 +115,13 @@ def tiny_weights(cfg_dict: dict, seed: int = 0, std: float = 0.08) -> dict[str, 
     return out
 
 
-def make_tiny(path: str | Path, model_type: str = "glm_moe_dsa", seed: int = 0, **overrides) -> Path:
-    """Write a deterministic tiny checkpoint to `path` (created atomically)."""
+def make_tiny(path: str | Path, model_type: str = "glm_moe_dsa", seed: int = 0, std: float = 0.08,
+              **overrides) -> Path:
+    """Write a deterministic tiny checkpoint to `path` (created atomically); ``std``: the
+    projections' random scale."""
     path = Path(path)
     cfg = tiny_config(model_type, **overrides)
-    weights = tiny_weights(cfg, seed=seed)
+    weights = tiny_weights(cfg, seed=seed, std=std)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=path.parent))
     try:
