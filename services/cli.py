@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import types
 import typing
@@ -59,6 +60,10 @@ def _serve_until_stopped(kind: str, serve, config) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    plan = getattr(config, "thread_plan", None)
+    if plan is not None:  # on stderr with the other logs: stdout's first line is the address
+        logging.getLogger("cpserve.threads").log(logging.WARNING if plan.oversubscribed else logging.INFO,
+                                                 "%s: %s", kind, plan.describe())
     _, port, shutdown = serve(config)
     serving.set()
     from services.common.rpc import address

@@ -125,6 +125,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="routed experts split across each group's ranks (ep, default) or held whole by every rank")
     p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
                    help="decode cache bytes per rank, e.g. 2GiB (default: sized by tokens)")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="torch threads in every rank process (default: usable cores ÷ all the ranks started, "
+                        "at least 1)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S,
                    help=f"how long each service may take to load and start (default {START_TIMEOUT_S} s)")
@@ -194,6 +197,25 @@ def cluster_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def cluster_threads(args: argparse.Namespace, quiet: bool = False) -> dict[str, int | None]:
+    """Threads per rank for the prefill and decode services `up` starts on this machine: the
+    usable cores shared out over all their ranks (``--threads-per-rank`` or a YAML
+    ``threads_per_rank`` wins). None: leave it to the service's config. Says what it picked."""
+    from engine.parallel.threads import plan_threads
+    from services.common.config import load_config
+
+    pre = load_config("prefill", args.config, {"cp": args.prefill_cp})
+    dec = load_config("decode", args.config, {"dcp": args.decode_dcp})
+    plan = plan_threads(pre.cp + dec.dcp, args.threads_per_rank)
+    out = {"prefill": plan.threads, "decode": plan.threads}
+    if args.threads_per_rank is None:  # a section's own threads_per_rank stays
+        out.update({name: None for name, cfg in (("prefill", pre), ("decode", dec)) if cfg.threads_per_rank})
+    if not quiet or plan.oversubscribed:
+        print(f"threads: prefill CP {pre.cp} + decode DCP {dec.dcp}: {plan.describe()}",
+              file=sys.stderr if plan.oversubscribed else sys.stdout, flush=True)
+    return out
+
+
 def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0, quiet: bool = False) -> list[Child]:
     """Start prefill, decode and router as child processes; return them (router last). Their
     internal RPCs carry the token of :func:`cluster_env` (``children[i].env``)."""
@@ -203,15 +225,17 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
                      ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)])
     engine_common = _flags([("--dtype", args.dtype), ("--generation-config", args.generation_config),
                             ("--moe-parallel", args.moe_parallel)])
+    threads = cluster_threads(args, quiet)
     children = []
     try:
         prefill = Child("prefill", common + engine_common + ["--port", "0"] + _flags([
             ("--cp", args.prefill_cp), ("--strategy", args.cp_strategy), ("--layer-split", args.layer_split),
-            ("--prefix-cache", args.prefix_cache)]), quiet, env=env)
+            ("--prefix-cache", args.prefix_cache), ("--threads-per-rank", threads["prefill"])]), quiet, env=env)
         children.append(prefill)
         decode = Child("decode", common + engine_common + ["--port", "0"] + _flags([
             ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm),
-            ("--kv-cache-memory", args.kv_cache_memory)]), quiet, env=env)
+            ("--kv-cache-memory", args.kv_cache_memory), ("--threads-per-rank", threads["decode"])]),
+            quiet, env=env)
         children.append(decode)
         timeout = args.start_timeout_s
         p_addr, d_addr = prefill.wait_ready(timeout), decode.wait_ready(timeout)

@@ -456,10 +456,13 @@ def test_engine_loop_bounds_its_queue_and_fails_cleanly():
 
 
 @pytest.mark.timeout(90)
-def test_cli_serve_decode_prints_its_address_and_stops_on_sigterm():
+def test_cli_serve_decode_prints_its_address_and_stops_on_sigterm(tmp_path):
+    from engine.parallel.threads import usable_cores
+
     argv = ["serve", "decode", "--dcp", "2", "--port", "0", "--max-cache-tokens", "1024"]
+    log = (tmp_path / "stderr").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "cpserve.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                            stderr=log, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("serving decode on 127.0.0.1:"), line
@@ -473,6 +476,11 @@ def test_cli_serve_decode_prints_its_address_and_stops_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        log.close()
+    # it says how many threads each rank got: usable cores ÷ its 2 ranks
+    threads = max(1, usable_cores() // 2)
+    assert f"decode: 2 rank(s) × {threads} thread(s) per rank on {usable_cores()} usable core(s) (picked" in \
+        (tmp_path / "stderr").read_text()
 
 
 def test_status_codes_come_from_exception_types_not_messages():

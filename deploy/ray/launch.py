@@ -110,7 +110,9 @@ def _section(name: str, doc: dict):
     body = doc.get(name) or {}
     if not isinstance(body, dict):
         raise ConfigError(f"{name}: must be a mapping, got {type(body).__name__}")
-    return load_config(name, None, body)
+    # on Ray the placement group reserves threads_per_rank CPUs a rank: the count must be
+    # explicit (not the cores of whichever node the actor lands on ÷ ranks); default 1
+    return load_config(name, None, {"threads_per_rank": 1, **body})
 
 
 # ---------------------------------------------------------------- actors
@@ -233,7 +235,7 @@ def _bundles(kind: str, config: LaunchConfig) -> list[dict[str, float]]:
         return [{"CPU": 1.0}]
     service = config.prefill if kind == "prefill" else config.decode
     ranks = service.cp if kind == "prefill" else service.dcp
-    bundle = {"CPU": float(service.threads_per_rank)}
+    bundle = {"CPU": float(service.threads_per_rank or 1)}
     if config.ray.gpu:
         bundle["GPU"] = 1.0
     return [dict(bundle) for _ in range(ranks)]

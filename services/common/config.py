@@ -44,7 +44,9 @@ class _ServiceConfig(_InternalPlaneConfig):
     generation_config: Literal["auto", "none"] = "auto"  # none: generation_config.json's eos ids are not stop ids
     page_size: int = Field(16, ge=1)
     max_cache_tokens: int = Field(1 << 16, ge=1)
-    threads_per_rank: int = Field(1, ge=1)
+    # torch threads in each rank process; None: cores this process may use ÷ the group's ranks
+    # (engine/parallel/threads.py; `cpserve up` passes cores ÷ all the ranks it starts)
+    threads_per_rank: int | None = Field(None, ge=1)
     # routed experts: ep = partitioned across the group's ranks (each loads only its own),
     # replicate = every rank holds them all (engine/parallel/expert.py); a group of one holds all
     moe_parallel: Literal["ep", "replicate"] = "ep"
@@ -71,6 +73,13 @@ class _ServiceConfig(_InternalPlaneConfig):
 
         parse_port_range(value)
         return value
+
+    @property
+    def thread_plan(self):
+        """Threads per rank for this service's group (``threads_per_rank``, or cores ÷ ranks)."""
+        from engine.parallel.threads import plan_threads
+
+        return plan_threads(self.ranks, self.threads_per_rank)
 
     @property
     def advertised_host(self) -> str:
@@ -115,13 +124,17 @@ class PrefillConfig(_ServiceConfig):
     prefix_cache: bool = False
 
     @property
+    def ranks(self) -> int:
+        return self.cp
+
+    @property
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of engine.prefill_engine.CPPrefillEngine."""
         return dict(model=self.model, cp=self.cp, strategy=self.strategy, layer_split=self.layer_split,
                     overlap=self.overlap,
                     dtype=self.dtype, generation_config=self.generation_config, chunk_size=self.chunk_size,
                     page_size=self.page_size,
-                    max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.threads_per_rank,
+                    max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.thread_plan.threads,
                     kv_transport=self.kv_protocol, kv_host=self.kv_host, prefix_cache=self.prefix_cache,
                     moe_parallel=self.moe_parallel)
 
@@ -149,12 +162,16 @@ class DecodeConfig(_ServiceConfig):
         return str(value)
 
     @property
+    def ranks(self) -> int:
+        return self.dcp
+
+    @property
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of engine.decode_engine.DCPDecodeEngine (prompts arrive as KV only)."""
         return dict(model=self.model, dcp=self.dcp, exchange=self.dcp_comm, indexer=self.indexer,
                     replicate_q_proj=self.replicate_q_proj, dtype=self.dtype,
                     generation_config=self.generation_config, page_size=self.page_size,
-                    max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.threads_per_rank,
+                    max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.thread_plan.threads,
                     reference_prefill=False, kv_transport=self.kv_protocol, kv_host=self.kv_host,
                     lease_s=self.lease_s, write_lease_s=self.write_lease_s, moe_parallel=self.moe_parallel,
                     kv_cache_memory=self.kv_cache_memory)
