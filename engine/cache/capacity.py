@@ -90,11 +90,16 @@ def pages_in_budget(cfg, budget: int, dtype: str, page_size: int, dcp: int, inde
     from engine.model.loader import parse_dtype
 
     row = decode_row_bytes(cfg, parse_dtype(dtype).itemsize, dcp, indexer)
-    pages = budget // (row * page_size)
+    pages = _whole_pages(budget, row, page_size)
     if pages < 1:
         raise ValueError(f"kv_cache_memory: {budget} bytes per rank hold no page of {page_size} rows "
                          f"({row} bytes a row); give at least {row * page_size}")
     return pages
+
+
+def _whole_pages(budget: int, row_bytes: int, page_size: int) -> int:
+    """Pages of ``page_size`` rows of ``row_bytes`` each that fit in ``budget`` bytes."""
+    return max(0, budget) // (row_bytes * page_size)
 
 
 @dataclass(frozen=True)
@@ -371,10 +376,8 @@ def tokens_in_budget(plan: CapacityPlan, budget: int, page_size: int) -> int:
     decode service pages it (``pages_in_budget``): a rank's row costs E plus I once (split
     index) or C times (copied: every rank keeps every token's keys); the group holds C rows per
     token slot."""
-    if budget <= 0:
-        return 0
     row = plan.entry_bytes + plan.index_bytes * (plan.dcp if plan.indexer == "copied" else 1)
-    return budget // (row * page_size) * page_size * plan.dcp
+    return _whole_pages(budget, row, page_size) * page_size * plan.dcp
 
 
 def _weights(args: argparse.Namespace) -> dict:
