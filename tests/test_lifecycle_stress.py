@@ -50,12 +50,13 @@ def start(overlap: bool, decode_cache_tokens: int, faults: str = "", prefill_cp=
     os.environ[FAULTS_ENV] = faults
     children: list[Child] = []
     try:
-        ov = ["--overlap"] if overlap else ["--no-overlap"]
+        # 5 ranks share this machine's cores: one thread each (a service alone would take cores ÷ its ranks)
+        ov = ["--overlap" if overlap else "--no-overlap", "--threads-per-rank", "1"]
         for cp in prefill_cp:
             children.append(Child("prefill", ["--model", MODEL, "--cp", str(cp), "--max-cache-tokens", "16384", *ov],
                                   quiet=True))
-        children.append(Child("decode", ["--model", MODEL, "--dcp", "2", "--max-cache-tokens",
-                                         str(decode_cache_tokens)], quiet=True))
+        children.append(Child("decode", ["--model", MODEL, "--dcp", "2", "--threads-per-rank", "1",
+                                         "--max-cache-tokens", str(decode_cache_tokens)], quiet=True))
         addrs = [c.wait_ready(120) for c in children]
         argv = ["--model", MODEL, "--port", "0", "--max-retries", "1"]
         for a in addrs[:-1]:
