@@ -331,6 +331,34 @@ def test_row_gatherer_grows_geometrically_as_decode_lengthens():
     assert allocations <= 2
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_decode_attention_in_chunks_of_requests_equals_one_batch(monkeypatch, return_lse):
+    """``RowGatherer.attend`` splits a batch into cache-sized chunks of requests; each request's
+    output (and LSE) is what the one-batch computation gives, a request with no rows here
+    (a DCP shard) included."""
+    from engine.cache.gather import RowGatherer
+    from engine.model.attention import absorbed_decode
+
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn(4000, 72, generator=g)
+    lens = [300, 5, 0 if return_lse else 1, 120, 299, 64, 1]
+    rows = [torch.randperm(4000, generator=g)[:n] for n in lens]
+    q = torch.randn(len(lens), 4, 72, generator=g)
+    whole, valid = RowGatherer()(pool, rows)
+    want, want_lse = absorbed_decode(q, whole.clone(), valid, 64, 0.125, return_lse=return_lse)
+    monkeypatch.setattr(RowGatherer, "CHUNK_BYTES", 2 * 300 * 72 * 4)  # at most two requests a chunk
+    chunks = []
+    gather = RowGatherer()
+    real_call = RowGatherer.__call__
+    monkeypatch.setattr(RowGatherer, "__call__", lambda self, p, r: chunks.append(len(r)) or real_call(self, p, r))
+    out, lse = gather.attend(pool, rows, q, 64, 0.125, return_lse=return_lse)
+    assert len(chunks) >= 4 and sum(chunks) == len(lens)
+    assert torch.allclose(out, want, rtol=0, atol=1e-6)
+    if return_lse:
+        assert torch.allclose(lse, want_lse, rtol=0, atol=1e-5) and torch.isneginf(lse[2]).all()
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
 def test_bound_attributes_follow_reassignment(glm_dir):
     """`bind_attributes` makes parameters plain instance attributes; setting one again (as the
     DCP head split does) must be seen, never the stale bound one."""

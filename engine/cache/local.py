@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.cache.pool import KVPool
-from engine.model.attention import absorbed_decode, topk_select
+from engine.model.attention import topk_select
 
 
 class LocalKV:
@@ -51,7 +51,5 @@ class LocalKV:
         rows = []
         for b, r in enumerate(self.req_rows):
             rows.append(r if sel is None or sel[b] is None else r[sel[b]])
-        gathered, valid = self.pool.gather(self.pool.latent(layer), rows)
-        if gathered.dtype != q.dtype:
-            gathered = gathered.to(q.dtype)
-        return absorbed_decode(q, gathered, valid, self.pool.cfg.kv_lora_rank, scale, return_lse=False)[0]
+        return self.pool.gather.attend(self.pool.latent(layer), rows, q, self.pool.cfg.kv_lora_rank, scale,
+                                       return_lse=False)[0]

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from engine.cache.gather import RowGatherer
 from engine.handoff import RankEndpoint, kv_backend
-from engine.model.attention import absorbed_decode, merge_partials, topk_mask, topk_select
+from engine.model.attention import merge_partials, topk_mask, topk_select
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
 from engine.parallel.expert import decode_dispatch
@@ -187,8 +187,7 @@ class DCPKV:
             if sel is not None and sel[b] is not None:
                 pos = sel[b][sel[b] % r.world == r.rank]
             rows.append(slots[pos] // r.world)
-        gathered, valid = r.gather(r.latent[layer], rows)
-        out, lse = absorbed_decode(q, gathered.to(q.dtype), valid, r.cfg.kv_lora_rank, scale, return_lse=r.world > 1)
+        out, lse = r.gather.attend(r.latent[layer], rows, q, r.cfg.kv_lora_rank, scale, return_lse=r.world > 1)
         if r.world == 1:
             return out
         return self._exchange(out, lse)
