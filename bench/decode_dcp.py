@@ -81,6 +81,7 @@ def _install_rank_timers() -> None:
     import torch
     import torch.distributed as dist
 
+    import engine.cache.gather as gather
     import engine.parallel.dcp as dcp
 
     totals: dict[str, float] = defaultdict(float)  # exclusive wall seconds per category
@@ -110,8 +111,8 @@ def _install_rank_timers() -> None:
 
     for name in _COLLECTIVES:
         setattr(dist, name, timed("comm:" + name, original[name]))
-    dcp.RowGatherer.__call__ = timed("gather_rows", dcp.RowGatherer.__call__)
-    dcp.absorbed_decode = timed("attention", dcp.absorbed_decode)
+    gather.RowGatherer.__call__ = timed("gather_rows", gather.RowGatherer.__call__)
+    gather.absorbed_decode = timed("attention", gather.absorbed_decode)  # RowGatherer.attend calls it
     dcp.DCPKV.decode_select = timed("index_select", dcp.DCPKV.decode_select)
     dcp.DCPKV._exchange = timed("exchange_local", dcp.DCPKV._exchange)
     dcp.DCPKV._gather_heads = timed("q_gather_local", dcp.DCPKV._gather_heads)
