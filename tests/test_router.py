@@ -7,8 +7,11 @@ fake gRPC services. One end-to-end test with real services is marked slow.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
+import re
+import socket
 import threading
 import time
 import uuid
@@ -25,7 +28,8 @@ from services.router.backend import (BackendError, DecodeClient, DecodeLoad, Don
 from services.common.config import RouterConfig
 from services.router.pairing import Cluster, Endpoint, pick_pair
 from services.router.params import stop_token_set
-from services.router.server import serve_router
+from services.router.server import listen_socket, serve_router
+from services.router.stages import TTFT_STAGES
 from services.router.textstream import TextAssembler
 from engine.model.tokenizer import load_tokenizer
 
@@ -513,6 +517,69 @@ def test_models_health_and_metrics(start_router):
                  'cpserve_service_healthy{kind="prefill",service="p0"} 1.0', "cpserve_router_in_flight_requests 0.0"):
         assert name in text, name
     assert "cpserve_router_ttft_seconds_bucket" in text
+
+
+class TimedPrefill(FakePrefill):
+    """Takes 80 ms and says where 60 of them went (queue 10, compute 40, hand-off 10)."""
+
+    async def prefill(self, job, destination, timeout):
+        first = await super().prefill(job, destination, timeout)
+        await asyncio.sleep(0.08)
+        return dataclasses.replace(first, queue_ms=10.0, compute_ms=40.0, handoff_ms=10.0, service_ms=60.0)
+
+
+class SlowReserve(FakeDecode):
+    async def reserve(self, job, timeout):
+        await asyncio.sleep(0.03)
+        return await super().reserve(job, timeout)
+
+
+def _histogram(text: str, name: str, label: str = "") -> tuple[float, float]:
+    """(sum, count) of a histogram in a Prometheus text page."""
+    def value(suffix):
+        return float(re.search(rf"^{name}_{suffix}{re.escape(label)} (\S+)", text, re.M).group(1))
+    return value("sum"), value("count")
+
+
+def test_ttft_breakdown_adds_up_to_ttft(start_router):
+    h = start_router(prefills=[TimedPrefill()], decodes=[SlowReserve()])
+    for _ in range(3):
+        assert post(h, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "stream": True}).is_success
+    text = get(h, "/metrics").text
+    ttft, n = _histogram(text, "cpserve_router_ttft_seconds")
+    stages = {st: _histogram(text, "cpserve_router_ttft_stage_seconds", f'{{stage="{st}"}}') for st in TTFT_STAGES}
+    assert n == 3 and all(count == 3 for _, count in stages.values()), stages
+    per = {st: total / 3 for st, (total, _) in stages.items()}
+    assert per["prefill_queue"] == pytest.approx(0.010) and per["prefill_compute"] == pytest.approx(0.040)
+    assert per["kv_transfer"] == pytest.approx(0.010)
+    assert 0.02 <= per["prefill_rpc"] < 0.05  # the 80 ms RPC less the 60 ms the service accounted for
+    assert 0.03 <= per["reserve"] < 0.06
+    # the stages are the whole TTFT: no time falls between them
+    assert sum(per.values()) == pytest.approx(ttft / 3, abs=1e-4)
+
+
+def test_http_connections_send_without_nagle():
+    """Every accepted HTTP connection has TCP_NODELAY (asyncio sets it only when the listener's
+    proto says TCP): with Nagle, each SSE chunk after a keep-alive connection's first request
+    waited ~40 ms for the client's delayed ACK."""
+    async def accepted_nodelay() -> int:
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listen_socket("127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await asyncio.wait_for(seen, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
 
 
 # ---- failures ----------------------------------------------------------------------------------

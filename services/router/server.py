@@ -108,6 +108,18 @@ def serve_router(config: RouterConfig, prefill_clients: list[PrefillClient] | No
     return RouterHandle(box["http_port"], box["grpc_port"], config.host, box["cluster"], box["metrics"], stop)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP listener, bound. Its proto is IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on
+    accepted sockets that say they are TCP (they inherit the listener's proto). Without it Nagle
+    holds each small SSE chunk until the client's delayed ACK (~40 ms) on every keep-alive request
+    after a connection's first: TTFT +40 ms and tokens delivered in bunches."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    return sock
+
+
 async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, decode_clients, box: dict,
                  ready: threading.Event) -> None:
     prefills = prefill_clients or [GrpcPrefillClient(a, plane) for a in config.prefill]
@@ -128,9 +140,7 @@ async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, de
         monitor.on_change.append(grpc_front.set_serving)
         await grpc_front.start()
 
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.port))
+    sock = listen_socket(config.host, config.port)
     app = build_app(ctx, runner, cluster, metrics, config.api_key)
     http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                          timeout_graceful_shutdown=2))
