@@ -67,8 +67,9 @@ from dataclasses import dataclass, field
 
 from common import base_parser, emit_json, print_table, save_plot
 
+from services.router.stages import TTFT_STAGES as STAGES
+
 _READY = "serving reference on "
-SYSTEMS = ("cluster", "reference")
 
 
 # ---- the reference engine as the router's backend ---------------------------------------------
@@ -395,13 +396,77 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+# ---- the engine offline, and the router's TTFT breakdown ----------------------------------------
+def offline_figures(model: str, threads: int, single: list[list[int]], batch: list[list[int]],
+                    max_tokens: int) -> dict:
+    """The reference engine in this process with ``threads`` torch threads (the serving ranks'),
+    no server: per prompt of ``single`` its prefill (generate() call → first token) and decode
+    step ((last − first token) / (tokens − 1)), one at a time; then ``generate`` of ``batch`` at
+    once, wall clock with its prefill. Token ids too, to check the servers against."""
+    import torch
+
+    from engine.model.sampler import SamplingParams
+    from engine.reference import ReferenceEngine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        need = max(len(batch), 1) * (max(map(len, single + batch)) + max_tokens) + 64
+        engine = ReferenceEngine(model, max_cache_tokens=need)
+        params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=())
+        engine.generate([single[0][:16]], SamplingParams(max_new_tokens=2, stop_token_ids=()))  # warm-up
+        prefill_ms, step_ms, ids = [], [], {}
+        for i, prompt in enumerate(single):
+            t0 = time.perf_counter()
+            seq = engine.generate([prompt], params)[0]
+            prefill_ms.append((seq.token_times[0] - t0) * 1e3)
+            step_ms.append((seq.token_times[-1] - seq.token_times[0]) * 1e3 / (len(seq.token_times) - 1))
+            ids[i] = seq.output_ids
+        t0 = time.perf_counter()
+        seqs = engine.generate(batch, params)
+        wall = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(before)
+    return {"threads": threads, "prefill_ms": prefill_ms, "step_ms": step_ms, "_ids": ids,
+            "batch": len(batch), "batch_wall_s": wall,
+            "batch_throughput_tok_s": sum(len(s.output_ids) for s in seqs) / wall}
+
+
+def router_stages(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the router's TTFT and of each of its TTFT stages, from its /metrics."""
+    import re
+
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", trust_env=False, timeout=30).text
+    out = {}
+    for m in re.finditer(r'^cpserve_router_ttft(?:_stage)?_seconds_(sum|count)(?:\{stage="(\w+)"\})? (\S+)$',
+                         text, re.M):
+        kind, stage, value = m.groups()
+        total, count = out.get(stage or "ttft", (0.0, 0.0))
+        out[stage or "ttft"] = (float(value), count) if kind == "sum" else (total, float(value))
+    return out
+
+
+def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
+    """Mean ms per request of each stage between two router_stages() readings."""
+    out = {}
+    for stage, (total, count) in after.items():
+        t0, c0 = before.get(stage, (0.0, 0.0))
+        out[stage] = (total - t0) / (count - c0) * 1e3 if count > c0 else float("nan")
+    return out
+
+
 # ---- main ---------------------------------------------------------------------------------------
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--model", default="tiny")
+    p.add_argument("--clusters", default=None,
+                   help="cluster shapes, prefill CP + decode DCP (default 2+2,1+1; --quick 1+1)")
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,8,32; --quick 1,8)")
     p.add_argument("--requests", type=int, default=None,
-                   help="requests per level (default max(8, 2 x concurrency); --quick max(4, concurrency))")
+                   help="requests per level (default max(8, 2 x concurrency), at least 32 at concurrency 8; "
+                        "--quick max(4, concurrency))")
     p.add_argument("--prompt-lengths", default=None, help="min,max prompt tokens (default 64,1024; --quick 32,256)")
     p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 32; --quick 12)")
     p.add_argument("--ref-threads", type=int, default=1, help="torch threads of the reference engine (default 1)")
@@ -417,36 +482,45 @@ def main() -> None:
     from tqdm import tqdm
 
     from engine.model.config import ModelConfig
-    from services.up import Child, cluster_args, start_cluster, stop_cluster
+    from services.up import Child, cluster_args, cluster_threads, start_cluster, stop_cluster
 
     t_all = time.perf_counter()
     levels = [int(x) for x in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",")]
     lo, hi = (int(x) for x in (args.prompt_lengths or ("32,256" if args.quick else "64,1024")).split(","))
     max_tokens = args.max_tokens or (12 if args.quick else 32)
     level_timeout = args.level_timeout or (20.0 if args.quick else 300.0)
+    shapes = [tuple(int(x) for x in sh.split("+")) for sh in (args.clusters or ("1+1" if args.quick else "2+2,1+1")).split(",")]
+    clusters = [f"cluster {cp}+{dcp}" for cp, dcp in shapes]
+    systems = clusters + ["reference"]
 
     def per_level(c: int) -> int:
-        return args.requests or (max(4, c) if args.quick else max(8, 2 * c))
+        if args.requests:
+            return args.requests
+        return max(4, c) if args.quick else max(8, 2 * c, 32 if c == 8 else 0)
 
     vocab = ModelConfig.load(args.model).vocab_size
     prompts = make_prompts(max(per_level(c) for c in levels), lo, hi, vocab, args.seed)
 
-    # Both systems start at once (the reference loads while the cluster's ranks come up).
+    # Every system starts at once (the reference loads while the clusters' ranks come up).
     t0 = time.perf_counter()
     ref = Child("reference", [], quiet=True, command=[
         sys.executable, os.path.abspath(__file__), "--serve-reference", "--model", args.model,
         "--ref-threads", str(args.ref_threads)])
-    cluster_ns = cluster_args(["--model", args.model, "--prefill-cp", "2", "--decode-dcp", "2",
-                               "--cp-strategy", "interleave", "--indexer", "copied", "--dcp-comm", "a2a"])
-    children = []
+    spaces = {name: cluster_args(["--model", args.model, "--prefill-cp", str(cp), "--decode-dcp", str(dcp),
+                                  "--cp-strategy", "interleave", "--indexer", "copied", "--dcp-comm", "a2a"])
+              for name, (cp, dcp) in zip(clusters, shapes)}
+    threads = {name: cluster_threads(ns, quiet=True)["prefill"] or 1 for name, ns in spaces.items()}
+    running: dict[str, list] = {}
     try:
-        print("starting the cluster (prefill CP 2, decode DCP 2, router) and the reference server ...",
-              file=sys.stderr, flush=True)
-        children = start_cluster(cluster_ns, 0, None, quiet=True)
-        startup = {"cluster": time.perf_counter() - t0}
+        print(f"starting {', '.join(clusters)} (router each) and the reference server ...", file=sys.stderr, flush=True)
+        startup = {}
+        for name in clusters:
+            running[name] = start_cluster(spaces[name], 0, None, quiet=True)
+            startup[name] = time.perf_counter() - t0
         ref.wait_ready()
         startup["reference"] = ref.ready_at - t0
-        urls = {"cluster": f"http://{children[-1].address}", "reference": f"http://{ref.address}"}
+        urls = {name: f"http://{children[-1].address}" for name, children in running.items()}
+        urls["reference"] = f"http://{ref.address}"
 
         async def warm_up(url: str) -> None:
             import httpx
@@ -456,73 +530,131 @@ def main() -> None:
             if r.error:
                 raise RuntimeError(f"warm-up request to {url} failed: {r.error}")
 
-        for name in SYSTEMS:
+        for name in systems:
             asyncio.run(warm_up(urls[name]))
 
         stats: dict[tuple[str, int], dict] = {}
-        total = 2 * sum(per_level(c) for c in levels)
+        total = len(systems) * sum(per_level(c) for c in levels)
         with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
             for li, c in enumerate(levels):
-                order = SYSTEMS if li % 2 == 0 else SYSTEMS[::-1]
+                order = systems[li % len(systems):] + systems[:li % len(systems)]  # rotate: share the noise
                 for name in order:
                     bar.set_postfix_str(f"{name} c={c}")
                     n = per_level(c)
+                    before = router_stages(urls[name])
                     stats[name, c] = asyncio.run(run_level(urls[name], args.model, prompts, n, c, max_tokens,
                                                            level_timeout, bar))
+                    stats[name, c]["ttft_stages_ms"] = stage_means_ms(before, router_stages(urls[name]))
                     bar.update(n - stats[name, c]["completed"] - stats[name, c]["failed"])  # not started
     finally:
         t_stop = time.perf_counter()
         # Every service shuts down at once (each takes seconds: gRPC grace, rank groups), then wait.
-        for child in [*children, ref]:
+        every = [child for children in running.values() for child in children]
+        for child in [*every, ref]:
             child.signal_stop()
-        stop_cluster(children)
+        for children in running.values():
+            stop_cluster(children)
         ref.stop()
         shutdown_s = time.perf_counter() - t_stop
 
-    # ---- token ids: the same prompt must give the same ids on both systems --------------------
+    # ---- the engine offline, with each cluster's threads per rank (nothing else running now) ----
+    n1 = stats[systems[0], levels[0]]["requests"]
+    batch_c = 8 if 8 in levels else max(levels)
+    offline = {}
+    for t in sorted(set(threads.values())):
+        print(f"offline engine, {t} thread(s) ...", file=sys.stderr, flush=True)
+        offline[t] = offline_figures(args.model, t, prompts[:n1], prompts[:batch_c], max_tokens)
+
+    # ---- token ids: the same prompt must give the same ids on every system and offline ----------
     compared, mismatches = 0, []
-    for c in levels:
-        a, b = stats["cluster", c]["_ids"], stats["reference", c]["_ids"]
+
+    def compare(what: str, a: dict, b: dict) -> None:
+        nonlocal compared
         for i in sorted(set(a) & set(b)):
             compared += 1
             if a[i] != b[i]:
                 at = next((k for k, (x, y) in enumerate(zip(a[i], b[i])) if x != y), min(len(a[i]), len(b[i])))
-                mismatches.append(f"c={c} request {i} ({len(prompts[i])} prompt tokens): first differs at "
+                mismatches.append(f"{what} request {i} ({len(prompts[i])} prompt tokens): first differs at "
                                   f"output {at}")
+
+    for c in levels:
+        for name in clusters:
+            compare(f"{name} vs reference c={c}", stats[name, c]["_ids"], stats["reference", c]["_ids"])
+    for name in clusters:
+        compare(f"{name} c={levels[0]} vs offline", stats[name, levels[0]]["_ids"], offline[threads[name]]["_ids"])
     match = compared > 0 and not mismatches
 
-    # ---- table ------------------------------------------------------------------------------
+    # ---- tables -----------------------------------------------------------------------------
     rows = []
     for c in levels:
-        for name in SYSTEMS:
+        for name in systems:
             s = stats[name, c]
             rows.append([name, c, s["ttft_ms_median"], s["ttft_ms_p90"], s["tpot_ms_median"], s["throughput_tok_s"],
                          f"{s['completed']}/{s['requests']}"])
     ratios = []
     for c in levels:
-        cl, rf = stats["cluster", c], stats["reference", c]
-        ratios.append({"concurrency": c,
-                       "ttft_median": ratio(cl["ttft_ms_median"], rf["ttft_ms_median"]),
-                       "ttft_p90": ratio(cl["ttft_ms_p90"], rf["ttft_ms_p90"]),
-                       "tpot_median": ratio(cl["tpot_ms_median"], rf["tpot_ms_median"]),
-                       "throughput": ratio(cl["throughput_tok_s"], rf["throughput_tok_s"])})
-        rows.append(["cluster/reference", c, ratios[-1]["ttft_median"], ratios[-1]["ttft_p90"],
-                     ratios[-1]["tpot_median"], ratios[-1]["throughput"], ""])
-    print_table(f"serving over HTTP: cluster (prefill CP 2 + decode DCP 2) vs reference engine "
+        rf = stats["reference", c]
+        for name in clusters:
+            cl = stats[name, c]
+            ratios.append({"system": name, "concurrency": c,
+                           "ttft_median": ratio(cl["ttft_ms_median"], rf["ttft_ms_median"]),
+                           "ttft_p90": ratio(cl["ttft_ms_p90"], rf["ttft_ms_p90"]),
+                           "tpot_median": ratio(cl["tpot_ms_median"], rf["tpot_ms_median"]),
+                           "throughput": ratio(cl["throughput_tok_s"], rf["throughput_tok_s"])})
+            rows.append([f"{name} / reference", c, ratios[-1]["ttft_median"], ratios[-1]["ttft_p90"],
+                         ratios[-1]["tpot_median"], ratios[-1]["throughput"], ""])
+    print_table(f"serving over HTTP: {', '.join(clusters)} vs the reference engine behind the router "
                 f"({args.ref_threads} thread{'s' if args.ref_threads > 1 else ''}), {args.model}, prompts {lo}-{hi} "
                 f"tokens, {max_tokens} output tokens, {os.cpu_count()} CPUs",
                 ["system", "concurrency", "TTFT ms median", "TTFT ms p90", "TPOT ms median", "output tok/s",
                  "completed"], rows)
+
+    # each cluster against the engine offline (same threads per rank, same prompts)
+    vs_offline, rows = [], []
+    for name in clusters:
+        off, one = offline[threads[name]], stats[name, levels[0]]
+        pre, step = statistics.median(off["prefill_ms"]), statistics.median(off["step_ms"])
+        row = {"system": name, "threads_per_rank": threads[name], "offline_prefill_ms": pre, "offline_step_ms": step,
+               "ttft_ms": one["ttft_ms_median"], "tpot_ms": one["tpot_ms_median"],
+               "ttft_over_offline_prefill": ratio(one["ttft_ms_median"], pre),
+               "ttft_minus_1_15x_prefill_ms": one["ttft_ms_median"] - 1.15 * pre,
+               "tpot_over_offline_step": ratio(one["tpot_ms_median"], step),
+               "offline_batch": off["batch"], "offline_batch_throughput_tok_s": off["batch_throughput_tok_s"]}
+        if (name, batch_c) in stats:
+            row["throughput_at_batch"] = stats[name, batch_c]["throughput_tok_s"]
+            row["throughput_over_offline_generate"] = ratio(row["throughput_at_batch"], off["batch_throughput_tok_s"])
+        vs_offline.append(row)
+        rows.append([name, threads[name], pre, row["ttft_ms"], row["ttft_over_offline_prefill"],
+                     row["ttft_minus_1_15x_prefill_ms"], step, row["tpot_ms"], row["tpot_over_offline_step"],
+                     off["batch_throughput_tok_s"], row.get("throughput_at_batch", float("nan")),
+                     row.get("throughput_over_offline_generate", float("nan"))])
+    print_table(f"each cluster vs the engine offline, concurrency {levels[0]} (TTFT, TPOT) and {batch_c} "
+                f"(throughput vs offline generate of {batch_c} prompts)",
+                ["system", "threads/rank", "offline prefill ms", "TTFT ms", "TTFT / prefill", "TTFT - 1.15 prefill ms",
+                 "offline step ms", "TPOT ms", "TPOT / step", f"offline gen({batch_c}) tok/s", "served tok/s",
+                 "served / offline"], rows)
+    if len(clusters) > 1:
+        tp = {name: stats[name, levels[0]]["tpot_ms_median"] for name in clusters}
+        print("TPOT at concurrency", levels[0], ": " + ", ".join(f"{n} {v:.2f} ms" for n, v in tp.items()))
+
+    stage_rows = []
+    for name in clusters:
+        for c in levels:
+            st = stats[name, c]["ttft_stages_ms"]
+            stage_rows.append([name, c] + [st.get(k, float("nan")) for k in STAGES + ("ttft",)])
+    print_table("where TTFT goes, mean ms per request (router's cpserve_router_ttft_stage_seconds)",
+                ["system", "concurrency", *STAGES, "TTFT (router)"], stage_rows)
+
     for (name, c), s in stats.items():
         if s["failed"] or s["not_started"]:
             print(f"{name} c={c}: {s['failed']} failed, {s['not_started']} not started (level timeout "
                   f"{level_timeout:g} s); {'; '.join(s['errors'])}")
     print(f"token ids: {'MATCH' if match else 'MISMATCH'} — {compared - len(mismatches)}/{compared} requests "
-          f"identical (cluster vs reference)")
+          f"identical (clusters vs reference, and vs the engine offline)")
     for m in mismatches[:5]:
         print(f"  {m}")
-    print(f"start-up: cluster {startup['cluster']:.1f} s, reference {startup['reference']:.1f} s (started together); "
-          f"shut-down {shutdown_s:.1f} s")
+    print("start-up (started together): " + ", ".join(f"{k} {v:.1f} s" for k, v in startup.items())
+          + f"; shut-down {shutdown_s:.1f} s")
 
     # ---- plot -------------------------------------------------------------------------------
     import matplotlib
@@ -533,14 +665,14 @@ def main() -> None:
     fig, ax = plt.subplots(1, 3, figsize=(12, 3.6))
     panels = [("ttft_ms_median", "TTFT ms (median)"), ("tpot_ms_median", "TPOT ms (median)"),
               ("throughput_tok_s", "output tokens/s")]
-    for name, marker in zip(SYSTEMS, "os"):
+    for name, marker in zip(systems, "os^D"):
         for i, (key, title) in enumerate(panels):
             ax[i].plot(levels, [stats[name, c][key] for c in levels], marker=marker, label=name)
             ax[i].set_title(title)
             ax[i].set_xlabel("concurrency")
             ax[i].set_xscale("log", base=2)
             ax[i].set_xticks(levels, [str(c) for c in levels])
-            ax[i].legend()
+            ax[i].legend(fontsize=8)
     save_plot(fig, args.out, "serving.png")
     wall = time.perf_counter() - t_all
     print(f"wall time: {wall:.1f} s")
@@ -550,8 +682,10 @@ def main() -> None:
         "prompt_lengths": [lo, hi], "quick": args.quick, "startup_s": startup, "shutdown_s": shutdown_s,
         "wall_s": wall,
         "results": [{"system": name, **{k: v for k, v in stats[name, c].items() if k != "_ids"}}
-                    for c in levels for name in SYSTEMS],
-        "ratios_cluster_over_reference": ratios,
+                    for c in levels for name in systems],
+        "ratios_over_reference": ratios,
+        "vs_offline": vs_offline,
+        "offline": {str(t): {k: v for k, v in o.items() if k != "_ids"} for t, o in offline.items()},
         "token_ids_match": match, "token_ids_compared": compared, "token_ids_mismatched": len(mismatches),
     })
 

@@ -50,6 +50,9 @@ class PendingPrefill:
     renewed_at: float = field(default_factory=time.monotonic)
     transfer_stats: list | None = None
     armed: bool = False  # its KV is pushed layer by layer during the forward (overlap)
+    queued_at: float = 0.0  # perf_counter when the service put it in the engine
+    marks: list[float] = field(default_factory=list)  # the service's timing marks (compute done)
+    written_at: float = 0.0  # perf_counter when every rank's KV writes had returned
     arm_error: Exception | None = None
 
 
@@ -193,6 +196,7 @@ class CPPrefillEngine(Engine):
             n = len(p.seq.prompt_ids)
             results = self.group.call("push", self._plan(p, self.scheduler.slots(p.seq, n).tolist()), p.dest)
         p.transfer_stats = self.transfer_stats = results
+        p.written_at = time.perf_counter()
         for r in results:
             if not r["ok"]:
                 raise TransferError(r.get("peer") or "decode", r["error"])

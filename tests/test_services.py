@@ -196,6 +196,9 @@ def test_prefill_reports_seed_and_transfer(services):
     assert dest.decode_address.startswith("127.0.0.1:") and dest.expires_at_unix_s > time.time()
     first = services.prefill_to(prompt, dest, greedy(seed=1234))
     assert first.seed == 1234 and first.transfer_bytes > 0 and first.prefill_ms > 0 and first.transfer_ms >= 0
+    # the service's time by stage (the router's TTFT breakdown): each measured, none over the whole
+    assert first.queue_ms > 0 and first.compute_ms == first.prefill_ms > 0 and first.handoff_ms > 0
+    assert first.queue_ms + first.compute_ms + first.handoff_ms <= first.service_ms
     tokens = [first.first_token] + [ev.token.id for ev in services.generate(dest, prompt, first)
                                     if ev.WhichOneof("event") == "token"]
     assert len(tokens) == MAX_NEW

@@ -136,7 +136,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         every queued prefill into the same forwards and hand each off when its prompt is done."""
         if not is_active():
             raise ReservationError("the client went away before its prefill started")
-        marks: list[float] = []
+        marks: list[float] = []  # [compute done]
         rid = dest.reservation_id
         # Claim the rows now, as the group starts the request (not after its compute): the
         # lease is then renewed per chunk (renew) and right before the write (before_write).
@@ -161,7 +161,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             raise
         pending.cleared = True  # claimed: EndWrite is owed however the request ends
         pending.renew, pending.renew_every_s, pending.is_active = renew, lease_s / 4, is_active
-        pending.marks = marks
+        pending.marks, pending.queued_at = marks, time.perf_counter()
         return pending
 
     def Prefill(self, request, context):
@@ -174,16 +174,19 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             dest = destination_from_proto(request.destination)
             check_fingerprint(self.fingerprint, dest.fingerprint)
             dest.validate_for(len(prompt))
+            arrived = time.perf_counter()
             fut = self.loop.submit(lambda e: self._prefill(e, prompt, params, dest, request.destination.decode_address,
                                                            context.is_active), admit=True)
-            t0 = time.perf_counter()
             pending = fut.result()
+            queued = pending.queued_at
             seq = pending.future.result()
             marks, stats = pending.marks, pending.transfer_stats or []
+            computed, written = marks[0], pending.written_at
             response = prefill_pb2.PrefillResponse(
-                first_token=seq.output_ids[0], seed=seq.seed, prefill_ms=(marks[0] - t0) * 1e3,
+                first_token=seq.output_ids[0], seed=seq.seed, prefill_ms=(computed - queued) * 1e3,
                 transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=_write_seconds(stats) * 1e3,
-                cached_tokens=seq.num_cached)
+                cached_tokens=seq.num_cached, queue_ms=(queued - arrived) * 1e3, compute_ms=(computed - queued) * 1e3,
+                handoff_ms=(written - computed) * 1e3, service_ms=(time.perf_counter() - arrived) * 1e3)
             if self.metrics is not None:
                 self.metrics.transfer_bytes.inc(response.transfer_bytes)
                 self.metrics.transfer_seconds.inc(response.transfer_ms / 1e3)

@@ -21,20 +21,28 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., destination: _Optional[_Union[_kv_pb2.KvDestination, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "seed", "prefill_ms", "transfer_bytes", "transfer_ms", "cached_tokens")
+    __slots__ = ("first_token", "seed", "prefill_ms", "transfer_bytes", "transfer_ms", "cached_tokens", "queue_ms", "compute_ms", "handoff_ms", "service_ms")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     seed: int
     prefill_ms: float
     transfer_bytes: int
     transfer_ms: float
     cached_tokens: int
-    def __init__(self, first_token: _Optional[int] = ..., seed: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    queue_ms: float
+    compute_ms: float
+    handoff_ms: float
+    service_ms: float
+    def __init__(self, first_token: _Optional[int] = ..., seed: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., handoff_ms: _Optional[float] = ..., service_ms: _Optional[float] = ...) -> None: ...
 
 class ServiceStatus(_message.Message):
     __slots__ = ("model", "cp", "queue_depth", "rows_used", "rows_free", "serving")

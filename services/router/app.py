@@ -182,9 +182,10 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
             raise
 
     async def complete(request: Request, chat: bool) -> Response:
+        arrived = time.perf_counter()
         parsed = await parse(request, chat)
         shape = _Shape(parsed, chat, ctx.name)
-        events = runner.run(parsed.completion)
+        events = runner.run(parsed.completion, arrived)
         try:
             if parsed.stream:
                 first = await _unless_disconnected(request, anext(events))

@@ -18,6 +18,7 @@ import grpc
 from services.router.backend import BackendError, Done, Job
 from services.router.dispatch import Dispatcher
 from services.router.metrics import RouterMetrics
+from services.router.stages import TTFT_STAGES, TtftClock
 from services.router.textstream import TextAssembler
 
 # Outcome label of a request that failed with this code before or while streaming.
@@ -52,15 +53,18 @@ class CompletionRunner:
     def __init__(self, dispatcher: Dispatcher, tokenizer, metrics: RouterMetrics):
         self.dispatcher, self.tokenizer, self.metrics = dispatcher, tokenizer, metrics
 
-    async def run(self, req: CompletionRequest) -> AsyncIterator[TokenDelta | Finished]:
-        start = time.perf_counter()
+    async def run(self, req: CompletionRequest, arrived: float | None = None) -> AsyncIterator[TokenDelta | Finished]:
+        """``arrived``: when the request reached the router (perf_counter; default now), where
+        TTFT and its breakdown start."""
+        clock = TtftClock(arrived)
+        clock.lap("parse")
         token_times: list[float] = []
         text = TextAssembler(self.tokenizer, req.stop, req.stop_token_ids)
         outcome = "cancelled"  # unless we get to the end
         cached = 0  # prompt tokens from the prefill prefix cache (known from the first token)
         self.metrics.in_flight.inc()
         try:
-            async with aclosing(self.dispatcher.generate(req.job)) as events:
+            async with aclosing(self.dispatcher.generate(req.job, clock)) as events:
                 async for event in events:
                     if isinstance(event, Done):
                         outcome = "ok"  # set before the yield: the consumer may close us right after it
@@ -70,10 +74,13 @@ class CompletionRunner:
                         return
                     if event.index == 0:
                         cached = event.cached_tokens
+                    delta = TokenDelta(event.id, event.index, text.push(event.id))
                     token_times.append(time.perf_counter())
                     if len(token_times) == 1:
-                        self.metrics.ttft.observe(token_times[0] - start)
-                    delta = TokenDelta(event.id, event.index, text.push(event.id))
+                        clock.lap("detokenize")
+                        self.metrics.ttft.observe(token_times[0] - clock.start)
+                        for stage in TTFT_STAGES:
+                            self.metrics.ttft_stage.labels(stage).observe(clock.stages.get(stage, 0.0))
                     if text.stopped:
                         outcome = "ok"
                         yield delta
@@ -90,6 +97,6 @@ class CompletionRunner:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(outcome).inc()
             if outcome == "ok":
-                self.metrics.e2e.observe(time.perf_counter() - start)
+                self.metrics.e2e.observe(time.perf_counter() - clock.start)
                 if len(token_times) > 1:
                     self.metrics.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))

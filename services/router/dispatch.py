@@ -30,6 +30,7 @@ import grpc
 from services.router.backend import BackendError, DecodeClient, Done, FirstToken, Job, PrefillClient, Reservation, Token
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Cluster, Endpoint
+from services.router.stages import TtftClock
 
 logger = logging.getLogger("cpserve.router")
 
@@ -43,8 +44,10 @@ class Dispatcher:
         self.max_retries, self.request_timeout_s, self.rpc_timeout_s = max_retries, request_timeout_s, rpc_timeout_s
         self._background: set[asyncio.Task] = set()
 
-    async def generate(self, job: Job) -> AsyncIterator[Token | Done]:
-        """Token 0 (from prefill), tokens 1.. (from decode), then one Done; or a BackendError."""
+    async def generate(self, job: Job, clock: TtftClock | None = None) -> AsyncIterator[Token | Done]:
+        """Token 0 (from prefill), tokens 1.. (from decode), then one Done; or a BackendError.
+        ``clock`` gets the stages of the time to token 0 (services/router/stages.py)."""
+        clock = clock or TtftClock()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout_s
         tried: set[tuple[str, str]] = set()
@@ -59,7 +62,7 @@ class Dispatcher:
                 self.metrics.retries.inc()
             with Cluster.busy(decode):
                 try:
-                    reservation, first = await self._prefill(prefill, decode, job, deadline)
+                    reservation, first = await self._prefill(prefill, decode, job, deadline, clock)
                 except BackendError as e:
                     logger.warning("request %s: attempt %d on (%s, %s) failed: %s", job.request_id, attempt + 1,
                                    prefill.address, decode.address, e)
@@ -75,19 +78,28 @@ class Dispatcher:
         raise BackendError(grpc.StatusCode.UNAVAILABLE, f"no healthy (prefill, decode) pair: {self.cluster.why_none()}")
 
     async def _prefill(self, prefill: Endpoint, decode: Endpoint, job: Job,
-                       deadline: float) -> tuple[Reservation, FirstToken]:
+                       deadline: float, clock: TtftClock) -> tuple[Reservation, FirstToken]:
         try:
             reservation = await self.decode_clients[decode.address].reserve(job, self._remaining(deadline))
         except BackendError as e:
             self._note_failure(decode, e)
             raise
+        finally:
+            clock.lap("reserve")
         try:
             with Cluster.busy(prefill):
                 first = await self.prefill_clients[prefill.address].prefill(job, reservation.destination,
                                                                             self._remaining(deadline))
         except BaseException:
+            clock.lap("prefill_rpc")
             self._abort_soon(decode, reservation)
             raise
+        rpc_s = clock.take()
+        served_s = min(first.service_ms / 1e3, rpc_s)  # the service's part of the RPC, split by stage
+        clock.add("prefill_rpc", rpc_s - served_s)
+        for stage, ms in (("prefill_queue", first.queue_ms), ("prefill_compute", first.compute_ms),
+                          ("kv_transfer", first.handoff_ms)):
+            clock.add(stage, min(ms / 1e3, served_s))
         self.metrics.transfer_bytes.inc(first.transfer_bytes)
         self.metrics.transfer_seconds.inc(first.transfer_ms / 1e3)
         self.metrics.prefix_cached_tokens.inc(first.cached_tokens)

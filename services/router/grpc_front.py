@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import time
 import uuid
 from contextlib import aclosing
 
@@ -78,6 +79,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrived = time.perf_counter()
         if not self._authorized(context):
             self.metrics.requests.labels("unauthorized").inc()
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or incorrect API key "
@@ -92,7 +94,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(_STATUS_OF_HTTP.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message)
         sent = False
         try:
-            async with aclosing(self.runner.run(req)) as events:
+            async with aclosing(self.runner.run(req, arrived)) as events:
                 async for ev in events:
                     if isinstance(ev, Finished):
                         yield router_pb2.GenerateEvent(done=router_pb2.GenerateEvent.Done(

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.router.stages import TTFT_STAGES
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 OUTCOMES = ("ok", "invalid", "unauthorized", "overloaded", "unavailable", "error", "cancelled")
@@ -21,6 +24,11 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram("cpserve_router_ttft_seconds", "Time to first token, request arrival to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_stage = Histogram("cpserve_router_ttft_stage_seconds",
+                                    "Time to first token by stage (services/router/stages.py); the stages of a "
+                                    "request add up to its TTFT", ["stage"], buckets=_STAGE_BUCKETS, registry=r)
+        for stage in TTFT_STAGES:
+            self.ttft_stage.labels(stage)
         self.tpot = Histogram("cpserve_router_tpot_seconds", "Time per output token after the first, per request",
                               buckets=_TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("cpserve_router_e2e_seconds", "End-to-end request latency",
