@@ -118,6 +118,32 @@ def test_tensors_travel_by_value_to_every_rank(pair):
 
 
 @pytest.mark.timeout(60)
+def test_tensor_views_and_dtypes_travel_exactly(pair):
+    """Views (only their own elements), non-contiguous tensors, bf16, bool, 0-d and empty ones
+    arrive with their values, dtype and shape."""
+    big = torch.randn(64, 512)
+    cases = [big[3], big[:, 5], torch.randn(3, 4).to(torch.bfloat16), torch.tensor([True, False]),
+             torch.tensor(7, dtype=torch.int64), torch.empty(0, 576), torch.arange(10)[::3]]
+    for t in cases:
+        for got, factor in zip(pair.call("scale", t), (1, 2)):
+            want = t * factor  # what the rank computes (bool * int is int64)
+            assert got.dtype == want.dtype and got.shape == t.shape and torch.equal(got, want), t
+
+
+def test_pipe_messages_carry_a_views_elements_not_its_storage():
+    """What crosses a group's pipe: a row of a [64, 512] tensor is 512 values, not the whole
+    storage (torch's own pickling writes the storage, as a torch.save archive)."""
+    import pickle
+
+    from engine.parallel.group import dumps
+
+    big = torch.randn(64, 512)
+    row = dumps(big[3])
+    assert len(row) < 512 * 4 + 400 < len(pickle.dumps(big[3]))
+    assert torch.equal(pickle.loads(row), big[3])
+
+
+@pytest.mark.timeout(60)
 def test_unpicklable_argument_leaves_the_group_healthy(pair):
     with pytest.raises(Exception, match="pickle"):
         pair.call("state", lambda: None)

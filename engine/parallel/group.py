@@ -31,7 +31,8 @@ The three questions, for the group itself:
     store — each rank holds its worker object (model shard, caches) and nothing else; the
         driver holds one pipe end and the process handle per rank, and the TCPStore.
     cross — per ``call``: the pickled (method, args, kwargs) to each of the C ranks, and one
-        pickled result back from each, tensors by value (plain pickle, no shared memory);
+        pickled result back from each, tensors by value (CPU tensors as raw bytes, see
+        _Pickler; no shared memory);
         nothing model-sized should travel this way (tensors between ranks go through the
         process group, KV bytes through the transfer engine).
     cost — one pipe round trip per rank per call (tens of µs for a small step plan) plus
@@ -43,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import importlib
+import io
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -61,6 +63,39 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _LOOPBACK = "127.0.0.1"
+# A directory: every rank runs its calls under cProfile and writes rank<r>-<pid>.prof there at exit.
+PROFILE_ENV = "CPSERVE_RANK_PROFILE"
+
+
+def _rebuild_tensor(raw: bytes, dtype, shape: tuple) -> Any:
+    import torch
+
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickle with CPU tensors as their raw bytes. torch's own reduction writes each tensor's
+    storage as a torch.save archive and reads it back with torch.load, ~0.1 ms a tensor: on a
+    decode step that was most of the call's cost (the plan's slot tables out, the logits back)."""
+
+    def reducer_override(self, obj):
+        import torch
+
+        if (type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided
+                and not obj.requires_grad and not obj.is_quantized):
+            flat = obj.contiguous().reshape(-1)
+            return _rebuild_tensor, (flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"",
+                                     obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+
+def dumps(obj: Any) -> bytes:
+    """What crosses a group's pipes (read with plain pickle.loads)."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
 _POLL_S = 0.2  # wait granularity: how late a deadline or a concurrent shutdown is noticed
 _DEATH_GRACE_S = 0.25  # after an exception report, how long to look for a dead rank to blame
 _KILL_GRACE_S = 1.0  # SIGTERM → SIGKILL
@@ -183,7 +218,29 @@ def _rank_main(rank: int, world_size: int, port: int, conn: multiprocessing.conn
         conn.send(("error", *_error_message(exc)))
         return
     conn.send(("ready", {"pid": os.getpid(), "device": str(ctx.device)}))
+    profile_dir = os.environ.get(PROFILE_ENV)
+    if profile_dir:  # a debugging aid: the rank's calls under cProfile, written when it exits
+        import cProfile
 
+        profiler = cProfile.Profile()
+        profiler.enable()
+    try:
+        _serve_calls(conn, worker)
+    finally:
+        if profile_dir:
+            profiler.disable()
+            profiler.dump_stats(os.path.join(profile_dir, f"rank{rank}-{os.getpid()}.prof"))
+    close = getattr(worker, "close", None)
+    if callable(close):
+        close()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _serve_calls(conn: multiprocessing.connection.Connection, worker) -> None:
+    """Run the driver's calls on ``worker`` until it says exit or closes the pipe."""
     while True:
         try:
             message = conn.recv()
@@ -197,17 +254,9 @@ def _rank_main(rank: int, world_size: int, port: int, conn: multiprocessing.conn
         _, method, args, kwargs = message
         try:
             result = getattr(worker, method)(*args, **kwargs)
-            conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
+            conn.send_bytes(dumps(("ok", result)))
         except BaseException as exc:  # noqa: BLE001
             conn.send(("error", *_error_message(exc)))
-
-    close = getattr(worker, "close", None)
-    if callable(close):
-        close()
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- driver side
@@ -417,7 +466,7 @@ class WorkerGroup:
     def _run(self, ranks: Any, method: str, args: tuple, kwargs: dict, what: str) -> list:
         # Plain pickle (tensors by value): ForkingPickler would share tensor storage through
         # one-shot file descriptors, which breaks when the same bytes go to several ranks.
-        message = pickle.dumps(("call", method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        message = dumps(("call", method, args, kwargs))
         try:
             for rank in ranks:
                 self._send(rank, message)
