@@ -117,9 +117,53 @@ class ExpertWorker:
         else:
             mine = torch.arange(x.shape[0])
             moe = self._sharded(tp=True)
-            dispatch = ReducedExperts(self.ctx.group, c)
+            dispatch = ReducedExperts(self.ctx.comm, c)
         out = dispatch(moe, x[mine], idx[mine], weights[mine])
         ref = LOCAL_EXPERTS(self.full, x, idx, weights)[mine]
         held = moe.experts.held
         got = [int((idx == e).sum()) for e in held]
         return out, ref, {"experts": [held.start, held.stop], "pairs_per_expert": got, "bytes_in": dispatch.bytes_sent}
+
+
+class CommWorker:
+    """Runs every collective of engine/parallel/comm.py beside torch.distributed's own."""
+
+    def __init__(self, ctx: RankContext):
+        self.ctx = ctx
+
+    def compare(self, seed: int) -> dict:
+        comm, r, c = self.ctx.comm, self.ctx.rank, self.ctx.world_size
+        g = torch.Generator().manual_seed(seed * 100 + r)  # each rank its own data
+        out = {"uses_shm": comm.uses_shm, "sums": [], "mismatch": []}
+        before = (comm.shm_ops, comm.group_ops)
+        # small messages (shared memory) and one larger than a slot (the process group)
+        for shape, dtype in [((3, 5), torch.float32), ((2, 4, 8), torch.bfloat16), ((1,), torch.float32),
+                             ((c * 7,), torch.int64), (((comm.slot_bytes // 4) + 8,), torch.float32)]:
+            x = (torch.randn(shape, generator=g) * 100).to(dtype)
+            mine, ref = x.clone(), x.clone()
+            comm.all_reduce(mine)
+            dist.all_reduce(ref, group=self.ctx.group)
+            out["sums"].append(mine)
+            tol = {"rtol": 1e-2, "atol": 2.0} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-3}
+            if not torch.allclose(mine.float(), ref.float(), **tol):  # another order of the same sum
+                out["mismatch"].append(("all_reduce", shape, dtype))
+            flat = x.reshape(-1)[: (x.numel() // c) * c].contiguous()
+            got, want = torch.empty(c * flat.numel(), dtype=dtype), torch.empty(c * flat.numel(), dtype=dtype)
+            comm.all_gather_single(got, flat)
+            dist.all_gather_single(want, flat, group=self.ctx.group)
+            if not torch.equal(got, want):
+                out["mismatch"].append(("all_gather", shape, dtype))
+            got, want = torch.empty_like(flat), torch.empty_like(flat)
+            comm.all_to_all_single(got, flat)
+            dist.all_to_all_single(want, flat, group=self.ctx.group)
+            if not torch.equal(got, want):
+                out["mismatch"].append(("all_to_all", shape, dtype))
+            if dtype.is_floating_point:
+                got = torch.empty(flat.numel() // c, dtype=dtype)
+                want = torch.empty_like(got)
+                comm.reduce_scatter_single(got, flat)
+                dist.reduce_scatter_single(want, flat, group=self.ctx.group)
+                if not torch.allclose(got.float(), want.float(), **tol):
+                    out["mismatch"].append(("reduce_scatter", shape, dtype))
+        out["ops"] = (comm.shm_ops - before[0], comm.group_ops - before[1])
+        return out

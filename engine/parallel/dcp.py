@@ -155,7 +155,7 @@ class DCPKV:
         if not r.replicate_q_proj and r.world > 1:
             return pending
         gathered = torch.empty(r.world * cand.shape[0], *cand.shape[1:], dtype=cand.dtype)
-        dist.all_gather_single(gathered, cand, group=r.group)
+        r.comm.all_gather_single(gathered, cand)
         pending.resolve(gathered.view(r.world, *cand.shape))
         return pending
 
@@ -166,7 +166,7 @@ class DCPKV:
         b = x.shape[0]
         packed = x.reshape(b, -1) if extra is None else torch.cat([x.reshape(b, -1), extra.reshape(b, -1)], dim=1)
         out = torch.empty(r.world * b, packed.shape[1], dtype=packed.dtype)
-        dist.all_gather_single(out, packed.contiguous(), group=r.group)
+        r.comm.all_gather_single(out, packed.contiguous())
         out = out.view(r.world, b, -1)
         r.bytes_sent["q_all_gather"] += x.numel() * x.element_size()
         q = out[..., : x[0].numel()].reshape(r.world, *x.shape).permute(1, 0, 2, 3).reshape(b, -1, x.shape[2])
@@ -201,19 +201,19 @@ class DCPKV:
             packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)  # [B, H, r+1]
             send = packed.view(b, r.world, per, d + 1).permute(1, 0, 2, 3).contiguous()
             recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=r.group)
+            r.comm.all_to_all_single(recv, send)
             r.bytes_sent["exchange"] += send.numel() * send.element_size() * (r.world - 1) // r.world
             merged, _ = merge_partials(recv[..., :d], recv[..., d])
             return merged.to(out.dtype)
         lses = torch.empty(r.world * b, h, dtype=lse.dtype)
-        dist.all_gather_single(lses, lse.contiguous(), group=r.group)
+        r.comm.all_gather_single(lses, lse.contiguous())
         lses = lses.view(r.world, b, h)
         total = torch.logsumexp(lses, dim=0)
         scale = torch.exp(lse - torch.where(torch.isneginf(total), torch.zeros_like(total), total))
         scale = torch.where(torch.isneginf(lse), torch.zeros_like(scale), scale)
         scaled = (out.float() * scale.unsqueeze(-1)).view(b, r.world, per, d).permute(1, 0, 2, 3).contiguous()
         mine = torch.empty(b, per, d, dtype=scaled.dtype)
-        dist.reduce_scatter_single(mine, scaled.view(r.world * b, per, d), group=r.group)
+        r.comm.reduce_scatter_single(mine, scaled.view(r.world * b, per, d))
         r.bytes_sent["exchange"] += lse.numel() * lse.element_size() + scaled.numel() * scaled.element_size() * (
             r.world - 1) // r.world
         return mine.to(out.dtype)
@@ -229,7 +229,7 @@ class DecodeRank:
             raise ValueError(f"dcp_comm: {exchange!r} is not one of {', '.join(EXCHANGES)}")
         if indexer not in INDEXERS:
             raise ValueError(f"indexer: {indexer!r} is not one of {', '.join(INDEXERS)}")
-        self.rank, self.world, self.group = ctx.rank, ctx.world_size, ctx.group
+        self.rank, self.world, self.group, self.comm = ctx.rank, ctx.world_size, ctx.group, ctx.comm
         self.exchange, self.indexer, self.dtype = exchange, indexer, parse_dtype(dtype)
         self.replicate_q_proj = replicate_q_proj
         self.shard = WeightShard(self.rank, self.world, tp=True, moe_parallel=moe_parallel,
@@ -238,7 +238,7 @@ class DecodeRank:
         self.cfg = self.lm.cfg
         if indexer == "split" and self.cfg.max_position_embeddings >= 1 << 24:
             raise ValueError("indexer: split index candidates carry positions as fp32 (exact below 2^24)")
-        self.moe = decode_dispatch(moe_parallel, self.group, self.world)
+        self.moe = decode_dispatch(moe_parallel, self.comm, self.world)
         cfg = self.cfg
         self.num_rows = num_rows
         self.latent = torch.zeros(cfg.num_layers, num_rows, cfg.latent_dim, dtype=self.dtype)
@@ -272,7 +272,7 @@ class DecodeRank:
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
-            dist.all_reduce(x, group=self.group)
+            self.comm.all_reduce(x)
             self.bytes_sent["all_reduce"] += x.numel() * x.element_size()
         return x
 

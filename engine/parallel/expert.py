@@ -84,10 +84,11 @@ class AllToAllExperts:
 
 
 class ReducedExperts:
-    """Decode DCP: own experts for every token, one all-reduce (see the module docstring)."""
+    """Decode DCP: own experts for every token, one all-reduce (see the module docstring).
+    ``comm``: the group's engine.parallel.comm.Comm."""
 
-    def __init__(self, group, world: int):
-        self.group, self.world = group, world
+    def __init__(self, comm, world: int):
+        self.comm, self.world = comm, world
         self.bytes_sent = 0
 
     def __call__(self, moe, x, idx, weights):
@@ -102,7 +103,7 @@ class ReducedExperts:
             packed.view(-1, x.shape[1])[at] = grouped_experts(moe.experts, x, flat[mine], pair_rows(t, k)[mine])
         if shared:
             packed[:, k] = moe.shared_experts(x)  # this rank's tensor-parallel partial
-        dist.all_reduce(packed, group=self.group)
+        self.comm.all_reduce(packed)
         self.bytes_sent += packed.numel() * packed.element_size()
         out = combine(packed[:, :k], weights)
         return out + packed[:, k] if shared else out
@@ -111,8 +112,8 @@ class ReducedExperts:
 class ReplicatedDecodeExperts:
     """Decode DCP with every expert on every rank: only the shared partial is reduced."""
 
-    def __init__(self, group, world: int):
-        self.group, self.world = group, world
+    def __init__(self, comm, world: int):
+        self.comm, self.world = comm, world
         self.bytes_sent = 0
 
     def __call__(self, moe, x, idx, weights):
@@ -121,7 +122,7 @@ class ReplicatedDecodeExperts:
         if moe.shared_experts is None:
             return out
         part = moe.shared_experts(x)
-        dist.all_reduce(part, group=self.group)
+        self.comm.all_reduce(part)
         self.bytes_sent += part.numel() * part.element_size()
         return out + part
 
@@ -132,7 +133,7 @@ def prefill_dispatch(moe_parallel: str, group, rank: int, world: int, num_expert
     return AllToAllExperts(group, rank, world, num_experts)
 
 
-def decode_dispatch(moe_parallel: str, group, world: int):
+def decode_dispatch(moe_parallel: str, comm, world: int):
     if world == 1:
         return LOCAL_EXPERTS
-    return ReducedExperts(group, world) if moe_parallel == "ep" else ReplicatedDecodeExperts(group, world)
+    return ReducedExperts(comm, world) if moe_parallel == "ep" else ReplicatedDecodeExperts(comm, world)

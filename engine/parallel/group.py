@@ -128,6 +128,7 @@ class RankContext:
     device: Any  # torch.device
     group: Any  # torch.distributed.ProcessGroup
     cpu_group: Any
+    comm: Any = None  # engine.parallel.comm.Comm over ``group``: small CPU messages through shared memory
 
 
 # ---------------------------------------------------------------- rank side
@@ -172,7 +173,7 @@ def _error_message(exc: BaseException) -> tuple[str, str, str]:
 
 
 def _init_distributed(rank: int, world_size: int, port: int, device: str, store_timeout_s: float,
-                      collective_timeout_s: float) -> RankContext:
+                      collective_timeout_s: float, driver_pid: int) -> RankContext:
     import torch
     import torch.distributed as dist
 
@@ -193,7 +194,10 @@ def _init_distributed(rank: int, world_size: int, port: int, device: str, store_
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
         cpu_group = dist.group.WORLD
-    return RankContext(rank, world_size, torch_device, dist.group.WORLD, cpu_group)
+    from engine.parallel.comm import Comm
+
+    comm = Comm(rank, world_size, dist.group.WORLD, torch_device, f"cpserve-{driver_pid}-{port}", collective_timeout_s)
+    return RankContext(rank, world_size, torch_device, dist.group.WORLD, cpu_group, comm)
 
 
 def _rank_main(rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection,
@@ -212,7 +216,7 @@ def _rank_main(rank: int, world_size: int, port: int, conn: multiprocessing.conn
 
         torch.set_num_threads(threads_per_rank)
         ctx = _init_distributed(rank, world_size, port, device, store_timeout_s,
-                                collective_timeout_s)
+                                collective_timeout_s, driver_pid)
         worker = _resolve(worker_cls)(ctx, *worker_args, **worker_kwargs)
     except BaseException as exc:  # noqa: BLE001 — every failure must reach the driver
         conn.send(("error", *_error_message(exc)))
