@@ -44,7 +44,7 @@ either way).
 
 Breakdown (how a step's time divides): each rank's time in ``DecodeRank.run``
 (``runner.rank_seconds``) is split by bench-only wrappers installed in the rank processes
-(``CPSERVE_DCP_BENCH_TIMERS``; engine files are not changed): time inside gloo collectives
+(``CPSERVE_DCP_BENCH_TIMERS``; engine files are not changed): time inside the group's collectives (engine/parallel/comm.py: shared memory, gloo for large ones)
 (incl. waiting for the peer), ``gather_rows`` (copying own rows into a padded batch), absorbed
 attention math, index selection, exchange merge, and the rest (projections, MLP, Python);
 driver = step latency - slowest rank's run time (pipe round trip, plan pickling, sampling).
@@ -71,7 +71,7 @@ from collections import defaultdict
 from common import base_parser, emit_json, print_table, save_plot
 
 _TIMER_ENV = "CPSERVE_DCP_BENCH_TIMERS"
-_COLLECTIVES = ("all_gather_single", "all_to_all_single", "reduce_scatter_tensor", "all_reduce")
+_COLLECTIVES = ("all_gather_single", "all_to_all_single", "reduce_scatter_single", "all_reduce")
 
 
 # ---- rank-side instrumentation (installed only in spawned rank processes) ---------------------
@@ -88,7 +88,8 @@ def _install_rank_timers() -> None:
     cpu: dict[str, float] = defaultdict(float)  # exclusive CPU seconds of the calling thread
     counts: dict[str, int] = defaultdict(int)
     stack: list[list[float]] = []
-    original = {name: getattr(dist, name) for name in _COLLECTIVES}
+    import engine.parallel.comm as comm
+
 
     def timed(category: str, fn):
         @functools.wraps(fn)
@@ -109,8 +110,8 @@ def _install_rank_timers() -> None:
                     stack[-1][1] += used
         return wrapper
 
-    for name in _COLLECTIVES:
-        setattr(dist, name, timed("comm:" + name, original[name]))
+    for name in _COLLECTIVES:  # the rank group's collectives (shared memory, or gloo for large ones)
+        setattr(comm.Comm, name, timed("comm:" + name, getattr(comm.Comm, name)))
     gather.RowGatherer.__call__ = timed("gather_rows", gather.RowGatherer.__call__)
     gather.absorbed_decode = timed("attention", gather.absorbed_decode)  # RowGatherer.attend calls it
     dcp.DCPKV.decode_select = timed("index_select", dcp.DCPKV.decode_select)
@@ -133,7 +134,7 @@ def _install_rank_timers() -> None:
             while time.perf_counter() < until:
                 pass
             t0 = time.perf_counter()
-            original["all_reduce"](x, group=self.group)
+            dist.all_reduce(x, group=self.group)
             times.append(time.perf_counter() - t0)
         return {"median_s": statistics.median(times), "min_s": min(times)}
 
@@ -672,7 +673,7 @@ def main() -> None:
     print("  columns (ms/step unless noted): rank run = slowest rank inside DecodeRank.run; attn+copy = "
           "gather_rows copy + absorbed attention; index = top-k selection (comm excluded); other = projections, "
           "MLP, norms, exchange merge, Python; desched = compute wall - thread CPU (waiting for a core); "
-          "in colls = inside gloo collectives (incl. waiting for the peer); driver = step - rank run "
+          "in colls = inside collectives (incl. waiting for the peer); driver = step - rank run "
           "(plan, pipe, sampling); CPU all ranks = process CPU time summed over ranks; KiB sent = per rank")
 
     # table 2: ratios measured side by side
