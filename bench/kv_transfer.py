@@ -386,14 +386,14 @@ def measure_overlap(lengths: list[int], repeats: int) -> list[dict]:
 
 def main() -> None:
     p = base_parser(__doc__)
-    p.add_argument("--tokens", default="8192,32768", help="request lengths (--quick: 2048,8192)")
+    p.add_argument("--tokens", default=None, help="request lengths (default 8192,32768; --quick 2048,8192)")
     p.add_argument("--repeats", type=int, default=3, help="runs per variant; the best is reported")
     p.add_argument("--index", default="copied", choices=("copied", "split"),
                    help="decode index layout (copied sends each index key to every decode rank)")
     p.add_argument("--page-size", type=int, default=64, help="decode page size (rows per rank)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    tokens = [2048, 8192] if args.quick else [int(x) for x in args.tokens.split(",")]
+    tokens = [int(x) for x in (args.tokens or ("2048,8192" if args.quick else "8192,32768")).split(",")]
     started = time.perf_counter()
 
     load_before = os.getloadavg()
