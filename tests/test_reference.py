@@ -359,6 +359,33 @@ def test_decode_attention_in_chunks_of_requests_equals_one_batch(monkeypatch, re
         assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_decode_attention_over_contiguous_rows_reads_the_pool_in_place(monkeypatch, return_lse):
+    """A request whose rows are one ascending run of the pool is attended over a view (no
+    gather); the others are gathered — a run out of order, and rows whose first and last look
+    like a run but are not, included. Every output equals the one-batch computation."""
+    from engine.cache.gather import RowGatherer
+    from engine.model.attention import absorbed_decode
+
+    g = torch.Generator().manual_seed(6)
+    pool = torch.randn(4000, 72, generator=g)
+    rows = [torch.arange(100, 400), torch.randperm(4000, generator=g)[:50], torch.arange(1000, 1300).flip(0),
+            torch.tensor([7, 9, 3000, 8, 10]), torch.arange(2000, 2600), torch.arange(50, 60)]
+    q = torch.randn(len(rows), 4, 72, generator=g)
+    whole, valid = RowGatherer()(pool, rows)
+    want, want_lse = absorbed_decode(q, whole.clone(), valid, 64, 0.125, return_lse=return_lse)
+    gathered = []
+    real_call = RowGatherer.__call__
+    monkeypatch.setattr(RowGatherer, "__call__", lambda self, p, r: gathered.extend(x.numel() for x in r)
+                        or real_call(self, p, r))
+    out, lse = RowGatherer().attend(pool, rows, q, 64, 0.125, return_lse=return_lse)
+    # in place: the two runs of >= VIEW_MIN_ROWS rows; the short run (10 rows) is gathered with the rest
+    assert sorted(gathered) == sorted([50, 300, 5, 10])
+    assert torch.allclose(out, want, rtol=0, atol=1e-6)
+    if return_lse:
+        assert torch.allclose(lse, want_lse, rtol=0, atol=1e-5)
+
+
 def test_bound_attributes_follow_reassignment(glm_dir):
     """`bind_attributes` makes parameters plain instance attributes; setting one again (as the
     DCP head split does) must be seen, never the stale bound one."""

@@ -30,6 +30,7 @@ class RowGatherer:
 
     def __init__(self):
         self.buf: torch.Tensor | None = None
+        self._span_cache: tuple[list[torch.Tensor], list[int | None]] | None = None
 
     def __call__(self, pool_layer: torch.Tensor, row_lists: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         lens = [r.numel() for r in row_lists]
@@ -56,32 +57,67 @@ class RowGatherer:
     # gathered rows of one chunk of requests: small enough to stay in the CPU's caches between
     # the gather and the two products that read it (scores, then probs @ latent)
     CHUNK_BYTES = 8 << 20
+    # a request whose rows are one run of the pool at least this long is attended in place
+    VIEW_MIN_ROWS = 256
 
     def attend(self, pool_layer: torch.Tensor, row_lists: list[torch.Tensor], q: torch.Tensor, kv_lora_rank: int,
                scale: float, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``absorbed_decode`` of request b's query ``q[b]`` over its rows ``row_lists[b]``.
 
-        Requests go in consecutive chunks whose padded rows fit ``CHUNK_BYTES``: one padded
-        gather of the whole batch (tens of MB at batch 32 × 1k) was read back from memory by
-        each product, a chunk is read back from cache (−25 % of a batch-32 step's attention
-        here). Each request's arithmetic is the same either way; a batch that fits is one chunk.
+        A request whose rows are one contiguous run of the pool (the scheduler allocates a
+        request's pages together, so they usually are) is attended over a view of the pool:
+        no copy, and its rows are read from memory once, then from cache by the second
+        product. Measured on the benchmark model's shapes (1k rows of 576 fp32 values, 4 heads,
+        4 layers, 2 threads): 8.8 → 4.5 ms a step at batch 8, 40 → 26 ms at 32 — the copy of a
+        gather costs more than one small call per request. The other requests go in
+        consecutive chunks whose padded rows fit ``CHUNK_BYTES`` (read back from cache by each
+        product). A request's arithmetic is the same either way.
         """
+        spans = self._spans(row_lists)
+        rest = [b for b, start in enumerate(spans) if start is None]
+        parts: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for b, start in enumerate(spans):
+            if start is not None:
+                rows = pool_layer[start : start + row_lists[b].numel()].unsqueeze(0)
+                parts[b] = absorbed_decode(q[b : b + 1], rows if rows.dtype == q.dtype else rows.to(q.dtype), None,
+                                           kv_lora_rank, scale, return_lse=return_lse)
         row_bytes = pool_layer.shape[-1] * pool_layer.element_size()
-        outs, lses, start = [], [], 0
-        while start < len(row_lists):
-            stop, lmax = start + 1, max(row_lists[start].numel(), 1)
-            while stop < len(row_lists):
-                longest = max(lmax, row_lists[stop].numel())
-                if (stop + 1 - start) * longest * row_bytes > self.CHUNK_BYTES:
+        i = 0
+        while i < len(rest):
+            j, lmax = i + 1, max(row_lists[rest[i]].numel(), 1)
+            while j < len(rest) and rest[j] == rest[j - 1] + 1:  # chunks of consecutive requests
+                longest = max(lmax, row_lists[rest[j]].numel())
+                if (j + 1 - i) * longest * row_bytes > self.CHUNK_BYTES:
                     break
-                stop, lmax = stop + 1, longest
-            rows, valid = self(pool_layer, row_lists[start:stop])
+                j, lmax = j + 1, longest
+            first, last = rest[i], rest[j - 1] + 1
+            rows, valid = self(pool_layer, row_lists[first:last])
             if rows.dtype != q.dtype:
                 rows = rows.to(q.dtype)
-            out, lse = absorbed_decode(q[start:stop], rows, valid, kv_lora_rank, scale, return_lse=return_lse)
-            outs.append(out)
-            lses.append(lse)
-            start = stop
-        if len(outs) == 1:
-            return outs[0], lses[0]
-        return torch.cat(outs), (torch.cat(lses) if return_lse else None)
+            parts[first] = absorbed_decode(q[first:last], rows, valid, kv_lora_rank, scale, return_lse=return_lse)
+            i = j
+        order = sorted(parts)
+        if len(order) == 1:
+            return parts[order[0]]
+        out = torch.cat([parts[b][0] for b in order])
+        return out, (torch.cat([parts[b][1] for b in order]) if return_lse else None)
+
+    def _spans(self, row_lists: list[torch.Tensor]) -> list[int | None]:
+        """For each request, the first row if its rows are exactly rows first, first + 1, …
+        (at least VIEW_MIN_ROWS of them), else None. Cached while the same row tensors come
+        back (every layer of a step asks about the same ones)."""
+        cached = self._span_cache
+        if cached is not None and len(cached[0]) == len(row_lists) and all(
+                a is b for a, b in zip(cached[0], row_lists)):
+            return cached[1]
+        spans = []
+        for r in row_lists:
+            n = r.numel()
+            start = None
+            if n >= self.VIEW_MIN_ROWS:
+                first = int(r[0])
+                if int(r[-1]) - first == n - 1 and bool((r[1:] - r[:-1] == 1).all()):
+                    start = first
+            spans.append(start)
+        self._span_cache = (list(row_lists), spans)
+        return spans
