@@ -24,33 +24,9 @@ from __future__ import annotations
 
 import time
 
-from common import base_parser, emit_json, print_table, save_plot
+from common import BENCH_MODEL, BENCH_STD, BENCH_TYPE, base_parser, bench_model_dir, emit_json, print_table, save_plot
 
 import torch
-
-BENCH_TYPE = "deepseek_v3"
-BENCH_MODEL = dict(
-    vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
-    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=512,
-    qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
-    n_shared_experts=1, n_group=1, topk_group=1,
-)
-BENCH_STD = 0.05
-
-
-def bench_model_dir():
-    """The pinned benchmark checkpoint, written once (deterministic) under the cache dir."""
-    import hashlib
-    import json
-
-    from engine.model.tiny import cache_dir, make_tiny
-
-    key = hashlib.sha256(json.dumps([BENCH_TYPE, BENCH_MODEL, BENCH_STD], sort_keys=True).encode()).hexdigest()[:12]
-    path = cache_dir() / f"bench-engine-{key}"
-    if not (path / "config.json").exists():
-        make_tiny(path, BENCH_TYPE, seed=0, std=BENCH_STD, **BENCH_MODEL)
-    return str(path)
-
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(length * 7919 + n)

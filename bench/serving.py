@@ -1,15 +1,17 @@
-"""Serving latency and throughput over HTTP: the disaggregated cluster vs one reference engine,
-both behind the same router, measured side by side in one run.
+"""Serving latency and throughput over HTTP: disaggregated clusters against one reference engine
+behind the same router, and against the same engine offline, measured in one run.
 
-    python bench/serving.py [--quick] [--json] [--concurrency 1,8,32] [--requests N]
-                            [--prompt-lengths 64,1024] [--max-tokens 32] [--ref-threads 1]
+    python bench/serving.py [--quick] [--json] [--model tiny|bench|DIR] [--clusters 2+2,1+1]
+                            [--concurrency 1,8,32] [--requests N] [--prompt-lengths 64,1024]
+                            [--max-tokens 32] [--ref-threads 1]
 
-Systems (both started by this script, both on 127.0.0.1, both reached through the router's
+Systems (all started by this script at once, all on 127.0.0.1, all reached through a router's
 OpenAI HTTP front by the same load generator in this process):
 
-- ``cluster``: ``services.up.start_cluster`` exactly like ``cpserve up`` — a prefill service
-  (CP 2, two rank processes), a decode service (DCP 2, two rank processes) and a router, each
-  its own process; one thread per rank (the services' default). Prompt KV moves prefill → decode
+- ``cluster P+D`` for each ``--clusters`` shape: ``services.up.start_cluster`` exactly like
+  ``cpserve up --prefill-cp P --decode-dcp D`` — a prefill service (P rank processes), a decode
+  service (D rank processes) and a router, each its own process, threads per rank as ``up``
+  picks them (usable cores ÷ all the ranks of that cluster). Prompt KV moves prefill → decode
   over the TCP transfer engine.
 - ``reference``: one ``ReferenceEngine`` (``--ref-threads`` torch threads) in a child process of
   this script, on the services' engine thread (services/common/engine_loop.py), behind the very
@@ -18,22 +20,32 @@ OpenAI HTTP front by the same load generator in this process):
   first token, Generate streams the rest of that same sequence. Continuous batching comes from
   the engine's scheduler (requests join and leave every step; prefill chunks go first, so new
   arrivals pause the running decodes). No KV moves anywhere.
+- ``offline`` (after the servers have stopped, nothing else running): the same engine in this
+  process with each cluster's threads per rank, no server: each first-level prompt alone
+  (prefill = ``generate`` call → first token; step = (last − first token) / (tokens − 1)), then
+  ``generate`` of the first 8 prompts at once (wall clock, prefill included). Each cluster's
+  TTFT is set against the offline prefill, its TPOT against the offline step, and its
+  throughput at concurrency 8 against the offline ``generate`` of 8.
+
+The router's TTFT breakdown (``cpserve_router_ttft_stage_seconds``, scraped before and after each
+level) gives each cluster's mean time per stage.
 
 Load: a fixed, seeded set of prompts (lengths uniform in ``--prompt-lengths``), streaming
 ``/v1/completions`` with ``temperature 0``, ``ignore_eos``, ``max_tokens`` and
-``return_token_ids``; ``--requests`` per level (default max(8, 2 x concurrency)) taken by N
-closed-loop asyncio workers (N = concurrency), each request timing its first token and the rest.
-Request i of a level uses prompt i on both systems, so every completed pair is compared token
-id for token id (greedy: both must agree exactly). Levels run in turn on both systems (order
-alternating per level) after one warm-up request per system; a level stops starting new requests after
-``--level-timeout`` seconds.
+``return_token_ids``; ``--requests`` per level (default max(8, 2 x concurrency), at least 32 at
+concurrency 8) taken by N closed-loop asyncio workers (N = concurrency), each request timing its
+first token and the rest. Request i of a level uses prompt i on every system, so every
+completed request is compared token id for token id with the reference's and the offline
+engine's (greedy: they must agree exactly). Levels run in turn on every system (the order
+rotating per level) after one warm-up request per system; a level stops starting new requests
+after ``--level-timeout`` seconds.
 
 Figures per (system, concurrency): TTFT = request sent → first token chunk received (median,
 p90); TPOT = (last token - first token) / (tokens - 1) per request, median; throughput = output
 tokens of completed requests / (first request sent → last request done).
 
 What this comparison means here. This machine has 2 CPU cores shared with other work. The
-cluster is 7 processes on them (4 rank processes, prefill/decode/router services); every CP/DCP
+2 + 2 cluster is 7 processes on them (4 rank processes, prefill/decode/router services); every CP/DCP
 collective needs both ranks of a group on a core at the same moment, the prefill and decode
 groups compete for the same 2 cores, and the KV hand-off and each token's gRPC hop cost CPU that
 the one-process engine never spends. Disaggregation buys isolation (prefill does not stall
@@ -65,7 +77,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from common import base_parser, emit_json, print_table, save_plot
+from common import base_parser, bench_model_dir, emit_json, print_table, save_plot
 
 from services.router.stages import TTFT_STAGES as STAGES
 
@@ -460,7 +472,8 @@ def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
 # ---- main ---------------------------------------------------------------------------------------
 def main() -> None:
     p = base_parser(__doc__)
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default="tiny",
+                   help="checkpoint directory, an embedded model, or 'bench': the benchmark model of bench/engine.py")
     p.add_argument("--clusters", default=None,
                    help="cluster shapes, prefill CP + decode DCP (default 2+2,1+1; --quick 1+1)")
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,8,32; --quick 1,8)")
@@ -475,6 +488,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-reference", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.model == "bench":
+        args.model = bench_model_dir()
     if args.serve_reference:
         serve_reference(args)
         return
