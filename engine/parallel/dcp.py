@@ -93,17 +93,22 @@ class DCPKV:
     def __init__(self, r: "DecodeRank", new_slots: torch.Tensor, req_slots: list[torch.Tensor]):
         self.r, self.new_slots, self.req_slots = r, new_slots, req_slots
         self.own_positions = [torch.arange(r.rank, max(s.numel(), r.rank), r.world) for s in req_slots]
+        mine = new_slots % r.world == r.rank  # the step's tokens this rank stores (p mod C)
+        self._mine = None if bool(mine.all()) else mine.nonzero().squeeze(1)
+        self._own_new_rows = (new_slots if self._mine is None else new_slots[self._mine]) // r.world
+        self._own_rows: list[torch.Tensor] | None = None  # per request, its rows here (every layer's)
 
     def store(self, layer, latent, index_key):
         """Entries of the step's tokens: the latent only on its owner rank p mod C."""
         r = self.r
-        mine = self.new_slots % r.world == r.rank
-        r.latent[layer][self.new_slots[mine] // r.world] = latent[mine].to(r.dtype)
+        own = latent if self._mine is None else latent.index_select(0, self._mine)
+        r.latent[layer].index_copy_(0, self._own_new_rows, own if own.dtype == r.dtype else own.to(r.dtype))
         if index_key is not None:
             if r.indexer == "copied":
-                r.index[layer][self.new_slots] = index_key.to(r.dtype)
+                r.index[layer].index_copy_(0, self.new_slots, index_key.to(r.dtype))
             else:
-                r.index[layer][self.new_slots[mine] // r.world] = index_key[mine].to(r.dtype)
+                own = index_key if self._mine is None else index_key.index_select(0, self._mine)
+                r.index[layer].index_copy_(0, self._own_new_rows, own.to(r.dtype))
 
     def latent(self, layer, req):
         raise NotImplementedError("DCP ranks run decode steps only; prompts arrive as KV")
@@ -181,12 +186,14 @@ class DCPKV:
             q, cands = self._gather_heads(q, ride)
             if ride is not None:
                 sel.resolve(cands)
+        if self._own_rows is None:  # the same tensors every layer: RowGatherer checks their runs once
+            self._own_rows = [slots[self._own_positions(b)] // r.world for b, slots in enumerate(self.req_slots)]
         rows = []
         for b, slots in enumerate(self.req_slots):
-            pos = self._own_positions(b)
             if sel is not None and sel[b] is not None:
-                pos = sel[b][sel[b] % r.world == r.rank]
-            rows.append(slots[pos] // r.world)
+                rows.append(slots[sel[b][sel[b] % r.world == r.rank]] // r.world)
+            else:
+                rows.append(self._own_rows[b])
         out, lse = r.gather.attend(r.latent[layer], rows, q, r.cfg.kv_lora_rank, scale, return_lse=r.world > 1)
         if r.world == 1:
             return out
