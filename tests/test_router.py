@@ -525,7 +525,7 @@ class TimedPrefill(FakePrefill):
     async def prefill(self, job, destination, timeout):
         first = await super().prefill(job, destination, timeout)
         await asyncio.sleep(0.08)
-        return dataclasses.replace(first, queue_ms=10.0, compute_ms=40.0, handoff_ms=10.0, service_ms=60.0)
+        return dataclasses.replace(first, queue_ms=10.0, compute_ms=40.0, handoff_ms=10.0)
 
 
 class SlowReserve(FakeDecode):

@@ -65,11 +65,10 @@ class FirstToken:
     transfer_bytes: int = 0
     transfer_ms: float = 0.0
     cached_tokens: int = 0  # prompt tokens the prefill service took from its prefix cache
-    # the service's own account of its time (PrefillResponse): they add up to service_ms
+    # the service's own account of its time (PrefillResponse), for the TTFT breakdown
     queue_ms: float = 0.0
     compute_ms: float = 0.0
     handoff_ms: float = 0.0
-    service_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -185,7 +184,7 @@ class GrpcPrefillClient(_GrpcService, PrefillClient):
         except grpc.aio.AioRpcError as e:
             raise _error(e, self.address) from None
         return FirstToken(r.first_token, r.seed, r.prefill_ms, r.transfer_bytes, r.transfer_ms, r.cached_tokens,
-                          r.queue_ms, r.compute_ms, r.handoff_ms, r.service_ms)
+                          r.queue_ms, r.compute_ms, r.handoff_ms)
 
     async def status(self, timeout: float) -> PrefillLoad:
         try:

@@ -94,12 +94,15 @@ class Dispatcher:
             clock.lap("prefill_rpc")
             self._abort_soon(decode, reservation)
             raise
+        # the RPC's time: the service's own stages, and the rest (gRPC, the hop) as prefill_rpc
         rpc_s = clock.take()
-        served_s = min(first.service_ms / 1e3, rpc_s)  # the service's part of the RPC, split by stage
-        clock.add("prefill_rpc", rpc_s - served_s)
-        for stage, ms in (("prefill_queue", first.queue_ms), ("prefill_compute", first.compute_ms),
-                          ("kv_transfer", first.handoff_ms)):
-            clock.add(stage, min(ms / 1e3, served_s))
+        parts = {"prefill_queue": first.queue_ms / 1e3, "prefill_compute": first.compute_ms / 1e3,
+                 "kv_transfer": first.handoff_ms / 1e3}
+        served = sum(parts.values())
+        fit = min(1.0, rpc_s / served) if served > 0 else 1.0  # clocks of two processes: never more than the RPC
+        for stage, seconds in parts.items():
+            clock.add(stage, seconds * fit)
+        clock.add("prefill_rpc", rpc_s - served * fit)
         self.metrics.transfer_bytes.inc(first.transfer_bytes)
         self.metrics.transfer_seconds.inc(first.transfer_ms / 1e3)
         self.metrics.prefix_cached_tokens.inc(first.cached_tokens)
