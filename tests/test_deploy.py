@@ -263,9 +263,9 @@ def _healthcheck_target(service: dict) -> str:
 
 def test_compose_commands_parse_and_ports_agree(compose):
     services = compose["services"]
-    assert set(services) == set(ROLES)
+    assert set(services) == set(ROLES) | {"token"}
     configs = {}
-    for name, svc in services.items():
+    for name, svc in ((n, services[n]) for n in ROLES):
         args = parse_command(svc["command"])
         assert args.service == name
         source = _compose_config_source(compose, svc, args.config)
@@ -283,8 +283,8 @@ def test_compose_commands_parse_and_ports_agree(compose):
             assert published[cfg.port]["published"] == str(cfg.port), "the router's HTTP port is published"
             assert cfg.grpc_port in published
             assert cfg.host in WILDCARDS, "the router must listen beyond the container's loopback"
-            assert all(d["condition"] == "service_healthy" for d in svc["depends_on"].values())
-            assert set(svc["depends_on"]) == {"prefill", "decode"}
+            assert {k: d["condition"] for k, d in svc["depends_on"].items()} == {
+                "prefill": "service_healthy", "decode": "service_healthy", "token": "service_completed_successfully"}
         else:
             assert str(cfg.port) in svc["expose"]
             assert "ports" not in svc or not svc["ports"], f"{name} is internal: not published"
@@ -315,13 +315,13 @@ def test_compose_addresses_advertised_between_containers(compose):
         assert cfg.kv_port_range in svc["expose"]
         assert not {"MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"} & set(svc["environment"])
         assert int(svc["shm_size"]) >= 256 << 20, f"{name}: rank processes need more than Docker's 64 MB /dev/shm"
-    ips = [s["networks"][net_name]["ipv4_address"] for s in compose["services"].values()]
+    ips = [compose["services"][n]["networks"][net_name]["ipv4_address"] for n in ROLES]
     assert len(set(ips)) == len(ips)
 
 
 def test_compose_shares_the_model_volume(compose):
     mounts = {}
-    for name, svc in compose["services"].items():
+    for name, svc in ((n, compose["services"][n]) for n in ROLES):
         [vol] = [v for v in svc["volumes"] if v["target"] == "/models"]
         assert vol["type"] == "volume"
         mounts[name] = vol["source"]
@@ -329,6 +329,32 @@ def test_compose_shares_the_model_volume(compose):
     assert len(set(mounts.values())) == 1 and next(iter(mounts.values())) in compose["volumes"]
     assert compose["services"]["router"]["environment"].get("CPSERVE_API_KEY") is None, \
         "an empty CPSERVE_API_KEY would be taken as the key ''"
+
+
+def test_compose_internal_plane_carries_a_generated_token(compose, tmp_path):
+    """Every service reads the internal token from the volume the one-shot `token` service
+    writes (read-only for them) and starts after it; its one-liner writes 64 hex characters,
+    mode 0600, once, and keeps an existing token."""
+    token_svc = compose["services"]["token"]
+    [written] = [v for v in token_svc["volumes"] if not v.get("read_only")]
+    assert token_svc["network_mode"] == "none" and token_svc["restart"] == "no"
+    for name in ROLES:
+        svc = compose["services"][name]
+        cfg = effective_config(parse_command(svc["command"]), CONFIG)
+        [mount] = [v for v in svc["volumes"] if v["source"] == written["source"]]
+        assert mount["read_only"] and cfg.internal_token_file.startswith(mount["target"] + "/"), name
+        assert svc["depends_on"]["token"]["condition"] == "service_completed_successfully"
+    argv = token_svc["command"]
+    path = argv[-1]
+    assert path.startswith(written["target"] + "/")
+    local = tmp_path / "token"
+    script = argv[2].replace("os.chown(p, 10001, 10001)", "None")  # not root here
+    run = lambda: subprocess.run([sys.executable, "-c", script, str(local)], check=True, timeout=30)
+    run()
+    first = local.read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}", first) and (local.stat().st_mode & 0o777) == 0o600
+    run()
+    assert local.read_text() == first
 
 
 # ---- health-check one-liners, run against local fakes ------------------------------------------
