@@ -308,6 +308,23 @@ def test_completions_non_streaming_and_streaming_shapes(start_router):
     assert finals[-1] == "length" and all(f is None for f in finals[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
 
+    # usage asked for: "usage": null on every chunk before the final usage chunk (raw JSON: the
+    # SDK cannot tell null from absent); without it, no usage key at all
+    def usage_keys(body):
+        events = sse_events(post(h, "/v1/completions", body))[:-1]
+        return [("usage" in e, e.get("usage")) for e in events]
+
+    base = {"prompt": "Hello", "max_tokens": 3, "stream": True}
+    got = usage_keys({**base, "stream_options": {"include_usage": True}})
+    assert got[:-1] == [(True, None)] * 4 and got[-1][1]["completion_tokens"] == 3  # 3 tokens, the finish chunk
+    assert usage_keys(base) == [(False, None)] * 4
+    # continuous_usage_stats (vLLM's; guidellm sends it): the running usage on every chunk
+    got = usage_keys({**base, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert [u["completion_tokens"] for _, u in got] == [1, 2, 3, 3, 3]
+    assert all(u["prompt_tokens"] == 6 and u["total_tokens"] == 6 + u["completion_tokens"] for _, u in got)
+    # without include_usage it changes nothing, as in vLLM
+    assert usage_keys({**base, "stream_options": {"continuous_usage_stats": True}}) == [(False, None)] * 4
+
     # raw SSE framing: data: lines, one [DONE] at the very end
     resp = post(h, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True})
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
@@ -580,6 +597,42 @@ def test_http_connections_send_without_nagle():
             server.close()
 
     assert asyncio.run(accepted_nodelay()) != 0
+
+
+def test_model_tokenize_detokenize_version_ping_and_unknown_routes(start_router):
+    """The endpoints vLLM users call besides the OpenAI ones, and OpenAI-shaped 404/405s."""
+    h = start_router()
+    card = get(h, f"/v1/models/{MODEL}").json()
+    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] > 0
+    missing = get(h, "/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+    tok = load_tokenizer(MODEL)
+    r = post(h, "/tokenize", {"model": MODEL, "prompt": "Hello"}).json()
+    assert r["tokens"] == tok.encode("Hello") and r["count"] == len(r["tokens"]) == 6  # what a completion prefills
+    assert r["max_model_len"] == card["max_model_len"]
+    messages = [{"role": "user", "content": "hi"}]
+    r = post(h, "/tokenize", {"messages": messages}).json()
+    assert r["tokens"] == tok.apply_chat_template(messages)
+    for body, param in [({"prompt": "x", "messages": messages}, "prompt"), ({}, "prompt"), ({"prompt": 3}, "prompt"),
+                        ({"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+                        ({"prompt": "x", "model": "gpt-4"}, "model"), ({"prompt": "x", "foo": 1}, "foo")]:
+        bad = post(h, "/tokenize", body)
+        assert 400 <= bad.status_code < 500 and bad.json()["error"]["param"] == param, (body, bad.text)
+
+    ids = [ord(c) + 3 for c in "Hello"]
+    assert post(h, "/detokenize", {"tokens": ids}).json() == {"prompt": "Hello"}
+    for body in ({"tokens": [10**6]}, {"tokens": "Hello"}, {}):
+        bad = post(h, "/detokenize", body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens", (body, bad.text)
+
+    assert get(h, "/version").json()["version"]
+    assert get(h, "/ping").status_code == 200
+    assert httpx.post(f"{h.url}/ping", trust_env=False).status_code == 200
+    for resp, status in ((get(h, "/v1/nothing-here"), 404), (get(h, "/v1/completions"), 405)):
+        assert resp.status_code == status
+        err = resp.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"], err
 
 
 # ---- failures ----------------------------------------------------------------------------------

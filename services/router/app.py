@@ -10,7 +10,9 @@ Responses
   for completions, top-level ``prompt_token_ids`` for chat), as vLLM does.
 - ``stream: true``: server-sent events ``data: {chunk}`` and a final ``data: [DONE]``. Each
   chunk carries the new text (and, with ``return_token_ids``, the ids it covers); the last one
-  carries ``finish_reason``; ``stream_options.include_usage`` adds a usage chunk before [DONE].
+  carries ``finish_reason``; ``stream_options.include_usage`` adds a usage chunk before [DONE]
+  (and ``"usage": null`` on every chunk before it); ``continuous_usage_stats`` puts the usage so
+  far on every chunk instead.
   The HTTP status is sent with the first token, so failures before it are plain HTTP errors;
   a failure after it is a ``data: {"error": {...}}`` event followed by ``data: [DONE]``.
 
@@ -34,6 +36,7 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -41,7 +44,8 @@ from services.router.backend import BackendError
 from services.router.completion import CompletionRunner, Finished, TokenDelta
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Cluster
-from services.router.params import ApiError, ModelContext, ParsedRequest, parse_json, parse_request
+from services.router.params import (ApiError, ModelContext, ParsedRequest, parse_detokenize, parse_json,
+                                    parse_request, parse_tokenize)
 
 logger = logging.getLogger("cpserve.router")
 T = TypeVar("T")
@@ -99,6 +103,7 @@ class _Shape:
         self.chat, self.model, self.ids = chat, model, parsed.return_token_ids
         self.id, self.created = parsed.completion.job.request_id, int(time.time())
         self.prompt_ids = list(parsed.completion.job.prompt_ids)
+        self.include_usage, self.continuous_usage = parsed.include_usage, parsed.continuous_usage
 
     def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -121,8 +126,14 @@ class _Shape:
         usage = _usage(fin)
         return self._envelope("chat.completion" if self.chat else "text_completion", [choice], usage=usage, **top)
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None, first: bool) -> dict:
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None, first: bool,
+              completion_tokens: int) -> dict:
+        """One stream chunk; ``completion_tokens``: generated so far (for continuous usage)."""
         top, extra = self._prompt_extra() if first else ({}, {})
+        if self.continuous_usage:
+            top["usage"] = usage_dict(len(self.prompt_ids), completion_tokens)
+        elif self.include_usage:
+            top["usage"] = None  # as OpenAI: null on every chunk but the final usage chunk
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason, **extra}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -139,10 +150,25 @@ class _Shape:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage=_usage(fin))
 
 
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cpserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+_VERSION = _package_version()
+
+
 def _usage(fin: Finished) -> dict:
-    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+    return usage_dict(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)
 
 
 def _sse(obj: dict) -> str:
@@ -157,6 +183,14 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _no_route(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404 / 405 as OpenAI's
+        what = "not found" if e.status_code == 404 else str(e.detail).lower()
+        return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {what}",
+                                       "type": "invalid_request_error", "param": None,
+                                       "code": "not_found" if e.status_code == 404 else "method_not_allowed"}},
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:  # never a stack trace to the client
@@ -205,12 +239,44 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
     async def chat_completions(request: Request) -> Response:
         return await complete(request, chat=True)
 
+    def model_card() -> dict:
+        limit, _ = ctx.token_limit()
+        return {"id": ctx.name, "object": "model", "created": started, "owned_by": "cpserve", "max_model_len": limit}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         check_key(request)
-        limit, _ = ctx.token_limit()
-        return {"object": "list", "data": [{"id": ctx.name, "object": "model", "created": started,
-                                            "owned_by": "cpserve", "max_model_len": limit}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict:
+        check_key(request)
+        if model_id != ctx.name:
+            raise ApiError(404, f"model: the model '{model_id}' does not exist; this server serves '{ctx.name}'",
+                           "model", "model_not_found")
+        return model_card()
+
+    async def body_of(request: Request) -> dict:
+        check_key(request)
+        return parse_json(await request.body())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        ids = parse_tokenize(await body_of(request), ctx)
+        return {"count": len(ids), "max_model_len": ctx.token_limit()[0], "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        ids = parse_detokenize(await body_of(request), ctx)
+        return {"prompt": ctx.tokenizer.decode(ids)}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _VERSION}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return Response(status_code=200 if cluster.can_serve else 503)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -251,12 +317,12 @@ async def _stream(shape: _Shape, first: TokenDelta | Finished, events: AsyncIter
         try:
             while ev is not None:
                 if isinstance(ev, Finished):
-                    yield _sse(shape.chunk(ev.text, [], ev.reason, is_first))
+                    yield _sse(shape.chunk(ev.text, [], ev.reason, is_first, ev.completion_tokens))
                     if include_usage:
                         yield _sse(shape.usage_chunk(ev))
                     break
                 # one chunk per generated token, its text "" while bytes or a stop prefix are held
-                yield _sse(shape.chunk(ev.text, [ev.id], None, is_first))
+                yield _sse(shape.chunk(ev.text, [ev.id], None, is_first, ev.index + 1))
                 is_first = False
                 ev = await anext(events, None)
         except BackendError as e:

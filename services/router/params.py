@@ -7,7 +7,8 @@ Both endpoints: ``model`` (optional; must be the served model), ``max_tokens`` (
 ``top_k`` (vLLM extension; -1 or 0 disable) — the three defaults come from the checkpoint's
 generation_config.json where it sets them, ``seed``, ``stop`` (a string, or a list of strings
 and/or token ids), ``stop_token_ids`` and ``ignore_eos`` (vLLM extensions), ``stream``,
-``stream_options`` (``include_usage``), ``return_token_ids`` (vLLM extension), ``user``
+``stream_options`` (``include_usage``; ``continuous_usage_stats``, vLLM's: every chunk carries the
+usage so far), ``return_token_ids`` (vLLM extension), ``user``
 (accepted and ignored: it never changes the output).
 ``/v1/completions``: ``prompt`` (a string, a list of token ids, or a one-element list of either).
 ``/v1/chat/completions``: ``messages`` (roles system, developer, user, assistant; content a
@@ -88,6 +89,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
 
 
 # ---- JSON and typed getters --------------------------------------------------------------
@@ -394,14 +396,17 @@ def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
     stop, stop_ids = _stops(body, ctx)
     ignore_eos = _bool(body, "ignore_eos")
     stream = _bool(body, "stream")
-    include_usage = False
+    include_usage = continuous_usage = False
     opts = body.get("stream_options")
     if opts is not None:
         if not stream:
             raise invalid("stream_options", "is only allowed with stream: true")
-        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-            raise invalid("stream_options", 'must be {"include_usage": true|false}', "invalid_type")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+            raise invalid("stream_options", 'must be {"include_usage": true|false, "continuous_usage_stats": '
+                                            'true|false}', "invalid_type")
         include_usage = _bool(opts, "include_usage")
+        # as vLLM: running usage on every chunk, only when usage is asked for at all
+        continuous_usage = include_usage and _bool(opts, "continuous_usage_stats")
     return_token_ids = _bool(body, "return_token_ids")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
@@ -416,7 +421,33 @@ def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
         sampling.seed = seed
     job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", tuple(prompt_ids), sampling)
     return ParsedRequest(CompletionRequest(job, stop, stop_token_set(sampling, ctx.eos_token_ids)), stream,
-                         include_usage, return_token_ids)
+                         include_usage, return_token_ids, continuous_usage)
+
+
+def parse_tokenize(body: dict, ctx: ModelContext) -> list[int]:
+    """``POST /tokenize`` (vLLM's): ``prompt`` (a string) or ``messages`` (through the chat
+    template, generation prompt added) → the ids a completion or chat request would prefill."""
+    _check_fields(body, {"model", "prompt", "messages"},
+                  {"add_generation_prompt": (lambda v: v is True, "true"),
+                   "add_special_tokens": (lambda v: v is True, "true")})
+    _check_model(body, ctx)
+    if ("prompt" in body) == ("messages" in body):
+        raise invalid("prompt", "give exactly one of prompt (a string) and messages", "missing_required_parameter")
+    if "messages" in body:
+        return chat_prompt_ids(body["messages"], ctx)
+    if not isinstance(body["prompt"], str):
+        raise invalid("prompt", f"must be a string, got {_kind(body['prompt'])}", "invalid_type")
+    return encode_text(ctx, body["prompt"], "prompt")
+
+
+def parse_detokenize(body: dict, ctx: ModelContext) -> list[int]:
+    """``POST /detokenize`` (vLLM's): ``tokens`` (token ids) → their ids, checked."""
+    _check_fields(body, {"model", "tokens"}, {})
+    _check_model(body, ctx)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise invalid("tokens", f"must be a list of token ids, got {_kind(tokens)}", "invalid_type")
+    return token_ids(tokens, "tokens", ctx.vocab_size)
 
 
 def check_length(num_prompt: int, max_tokens: int, ctx: ModelContext, prompt_param: str, max_param: str) -> None:
