@@ -532,9 +532,11 @@ class WorkerGroup:
     def _fail_after_exception(self, rank: int, exc_type: str, text: str, tb: str) -> None:
         """Blame a dead rank over one that merely saw its peer vanish (e.g. gloo's
         'Connection closed by peer' on the survivors of a SIGKILL)."""
-        sentinels = [p.sentinel for p in self._ranks.processes]
-        if multiprocessing.connection.wait(sentinels, timeout=_DEATH_GRACE_S):
-            for dead, process in enumerate(self._ranks.processes):
+        # the reporter itself may exit right after reporting (a constructor that raised): only
+        # another rank's death is blamed instead
+        others = [(r, p) for r, p in enumerate(self._ranks.processes) if r != rank]
+        if others and multiprocessing.connection.wait([p.sentinel for _, p in others], timeout=_DEATH_GRACE_S):
+            for dead, process in others:
                 process.join(0.05)
                 if process.exitcode is not None:
                     self._fail(dead, f"rank {dead} {_describe_exit(process.exitcode)} "
