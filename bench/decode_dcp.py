@@ -317,18 +317,20 @@ def _breakdown(t: dict[str, float], steps: int) -> dict[str, float]:
 
 
 def plan_pickle_cost(ctx: int, batch: int) -> dict:
-    """What the driver pickles per decode step and rank: DecodeItem.slots covers every position."""
+    """What the driver pickles per decode step and rank (with the group's own pickler,
+    engine/parallel/group.py ``dumps``): DecodeItem.slots covers every position."""
     import pickle
 
     import torch
 
+    from engine.parallel.group import dumps
     from engine.plan import DecodeItem, StepPlan
 
     plan = StepPlan("decode", [DecodeItem(i, 5, ctx, torch.arange(ctx + 1)) for i in range(batch)])
     msg = ("call", "run", (plan, False), {})
     t0 = time.perf_counter()
     for _ in range(20):
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        data = dumps(msg)
         pickle.loads(data)
     return {"bytes": len(data), "pickle_unpickle_ms": (time.perf_counter() - t0) / 20 * 1e3}
 

@@ -67,9 +67,9 @@ class RowGatherer:
         A request whose rows are one contiguous run of the pool (the scheduler allocates a
         request's pages together, so they usually are) is attended over a view of the pool:
         no copy, and its rows are read from memory once, then from cache by the second
-        product. Measured on the benchmark model's shapes (1k rows of 576 fp32 values, 4 heads,
-        4 layers, 2 threads): 8.8 → 4.5 ms a step at batch 8, 40 → 26 ms at 32 — the copy of a
-        gather costs more than one small call per request. The other requests go in
+        product. The copy of a gather costs more than one small call per request: bench-model
+        decode steps (``bench/engine.py``, 1k-token prompts, 2 threads) 15.3 → 11.8 ms at batch
+        8, 53 → 42 ms at 32 (docs/benchmarks.md). The other requests go in
         consecutive chunks whose padded rows fit ``CHUNK_BYTES`` (read back from cache by each
         product). A request's arithmetic is the same either way.
         """

@@ -2,9 +2,10 @@
 
 Every rank of a :class:`~engine.parallel.group.WorkerGroup` is a process on the same host, and a
 decode step sends a handful of small messages per layer (the DCP exchange, the tensor-parallel
-and MoE all-reduces: kilobytes at batch 1, a few hundred KB at batch 32). gloo over loopback
-costs 0.2–0.6 ms for each of those on this machine (its worker thread, TCP, wake-ups), which
-was most of a DCP step. :class:`Comm` runs them through a shared-memory segment instead:
+and MoE all-reduces: kilobytes at batch 1, a few hundred KB at batch 32). Through gloo over
+loopback each cost about 1 ms of waiting on a 2-core machine (its worker thread, TCP,
+wake-ups), most of a DCP step; through shared memory 0.08–0.19 ms (``bench/decode_dcp.py``,
+docs/benchmarks.md). :class:`Comm` runs them through a shared-memory segment:
 
 - one segment per group, created by rank 0 under ``/dev/shm`` and unlinked as soon as every
   rank has mapped it (nothing is left behind, even after a SIGKILL);
