@@ -213,6 +213,7 @@ class ReplayPrefill:
     def __init__(self, pool):
         self.pool = pool
         self.kv_of: dict[int, dict] = {}  # req_id -> stored kv
+        self.scores: dict = {}  # no prompt scoring here (the runner contract's field)
 
     def run(self, plan) -> dict:
         out = {}

@@ -30,12 +30,14 @@ class DCPRunner:
     def __init__(self, group, prefill: LocalRunner | None, trace: bool = False):
         self.group, self.prefill, self.trace = group, prefill, trace
         self.rank_seconds = [0.0] * group.world_size
+        self.scores: dict[int, tuple] = {}  # prompt scores of the last extend step (reference prefill)
 
     def run(self, plan: StepPlan) -> dict[int, torch.Tensor]:
         if not plan.is_decode:
             if self.prefill is None:
                 raise ValueError("this decode engine receives prompts as KV only")
             logits = self.prefill.run(plan)
+            self.scores = self.prefill.scores
             pool = self.prefill.pool
             slots = torch.cat([it.slots[it.start : it.end] for it in plan.items])
             latent = {l: pool.latent(l)[slots] for l in range(pool.cfg.num_layers)}
@@ -43,6 +45,7 @@ class DCPRunner:
             self.group.call("load_rows", slots, latent, index)
             return logits
         out: dict[int, torch.Tensor] = {}
+        self.scores = {}
         for r, (logits, seconds) in enumerate(self.group.call("run", plan, self.trace)):
             out.update(logits)
             self.rank_seconds[r] += seconds

@@ -21,6 +21,10 @@ class ChunkItem:
     start: int
     slots: torch.Tensor
     wants_logits: bool  # this chunk completes the prompt
+    # prompt scoring (echo / prompt logprobs): -1 none, else the top-N to keep; ``targets`` are
+    # the prompt's next tokens prompt[start + 1 : end + 1] (one fewer in the prompt's last chunk)
+    score: int = -1
+    targets: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:

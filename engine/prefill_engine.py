@@ -96,7 +96,7 @@ class CPPrefillEngine(Engine):
         `finish_ready()` after each `step()` hands off the ones whose prompt is done."""
         check_fingerprint(self.fingerprint, dest.fingerprint)
         dest.validate_for(len(prompt_ids))
-        seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1))
+        seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1, min_tokens=min(params.min_tokens, 1)))
         seq.keep_pages = True
         pending = PendingPrefill(seq, dest, before_write, after_write=after_write)
         self.pending.append(pending)

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.cache.local import LocalKV
@@ -26,6 +28,57 @@ def batch_inputs(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, list[torch
     return ids, pos, new_slots, [len(it.token_ids) for it in plan.items], [it.end for it in plan.items]
 
 
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Which of a forward's own tokens are scored, and how the results split back by request."""
+
+    index: torch.Tensor  # [n] own-token indices
+    targets: torch.Tensor  # [n] the next prompt token of each
+    top: int  # the largest top-N asked for in the batch
+    segments: list[tuple[int, torch.Tensor, int]]  # (req_id, scored token positions, its top-N), in order
+
+
+def score_request(plan: StepPlan, own: torch.Tensor) -> ScoreRequest | None:
+    """The scoring this forward owes for the plan's items with ``score >= 0``. ``own``: the
+    indices (into the plan's flat token order) of the tokens this process computes."""
+    if plan.is_decode:
+        return None
+    index, targets, segments, start = [], [], [], 0
+    for it in plan.items:
+        n = len(it.targets)
+        if it.score >= 0 and n:
+            hit = ((own >= start) & (own < start + n)).nonzero().squeeze(1)
+            if hit.numel():
+                rel = own[hit] - start
+                index.append(hit)
+                targets.append(torch.tensor(it.targets, dtype=torch.long)[rel])
+                segments.append((it.req_id, it.start + rel + 1, it.score))  # the scored token's position
+        start += len(it.token_ids)
+    if not index:
+        return None
+    return ScoreRequest(torch.cat(index), torch.cat(targets), max(s[2] for s in segments), segments)
+
+
+def split_scores(req: ScoreRequest | None, scores: tuple | None) -> dict[int, tuple[torch.Tensor, ...]]:
+    """{req_id: (positions, logprobs, top ids, top logprobs)} from a forward's ``batch.scores``."""
+    if req is None or scores is None:
+        return {}
+    out, at = {}, 0
+    lp, ids, vals = scores
+    for rid, positions, top in req.segments:
+        n = positions.numel()
+        out[rid] = (positions, lp[at : at + n], ids[at : at + n, :top], vals[at : at + n, :top])
+        at += n
+    return out
+
+
+def merge_scores(blocks: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Score blocks of one request (from several chunks or CP ranks) in position order."""
+    cat = [torch.cat(parts) for parts in zip(*blocks)]
+    order = torch.argsort(cat[0])
+    return tuple(t[order] for t in cat)
+
+
 def logit_items(plan: StepPlan) -> list[int]:
     """Indices of the plan items whose last token's logits the scheduler needs."""
     return [i for i, it in enumerate(plan.items) if plan.is_decode or it.wants_logits]
@@ -43,6 +96,7 @@ class LocalRunner:
         self.lm, self.pool = lm, pool
         self.trace: dict | None = {} if trace else None
         self.device = torch.device(device)
+        self.scores: dict[int, tuple] = {}  # the last forward's prompt scores by request
 
     def run(self, plan: StepPlan) -> dict[int, torch.Tensor]:
         if self.device.type == "cpu":
@@ -60,6 +114,11 @@ class LocalRunner:
         want = logit_items(plan)
         dev = self.device
         kv = LocalKV(self.pool, torch.cat(new_slots).to(dev), [it.slots.to(dev) for it in plan.items])
+        scoring = score_request(plan, torch.arange(len(ids)))
         batch = ForwardBatch(ids, pos, views, kv, ends[want], is_decode=plan.is_decode, trace=self.trace)
+        if scoring is not None:
+            batch.score_index, batch.score_targets = scoring.index.to(dev), scoring.targets.to(dev)
+            batch.score_top = scoring.top
         logits = self.lm(batch)
+        self.scores = {rid: tuple(t.cpu() for t in block) for rid, block in split_scores(scoring, batch.scores).items()}
         return {plan.items[i].req_id: logits[j] for j, i in enumerate(want)}

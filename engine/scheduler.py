@@ -18,8 +18,9 @@ import torch
 from engine.cache.prefix import PrefixCache
 from engine.cache.slots import PageAllocator, pages_needed, token_slots
 from engine.model.config import ModelConfig
-from engine.model.sampler import InvalidRequest, SamplingParams, sample
+from engine.model.sampler import InvalidRequest, SamplingParams, TokenLogprob, process_logits, sample, token_logprob
 from engine.plan import ChunkItem, DecodeItem, StepPlan
+from engine.runner import merge_scores
 
 
 @dataclass
@@ -40,10 +41,19 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     keep_pages: bool = False  # finish() leaves the pages to the caller (prefill: until the KV is sent)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
+    prompt_scores: list[tuple] = field(default_factory=list)  # score blocks (runner.split_scores), any order
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def prompt_logprobs(self) -> list[TokenLogprob]:
+        """Prompt tokens 1.. (the first has no context) scored, in order (params.prompt_logprobs)."""
+        if not self.prompt_scores:
+            return []
+        pos, lp, ids, vals = merge_scores(self.prompt_scores)
+        return [TokenLogprob(float(l), tuple(i), tuple(v)) for l, i, v in zip(lp.tolist(), ids.tolist(), vals.tolist())]
 
     @property
     def is_prefilling(self) -> bool:
@@ -70,7 +80,7 @@ def validate_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: i
     bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequest("prompt", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
-    params.validate()
+    params.validate(vocab_size)
     if len(prompt_ids) + params.max_new_tokens > max_positions:
         raise InvalidRequest(
             "max_new_tokens",
@@ -148,8 +158,8 @@ class Scheduler:
                 if not self.allocator.can_allocate(need):
                     break
                 seq.pages = self.allocator.allocate(need)
-            else:
-                shared = self.prefix.match(seq.prompt_ids)
+            else:  # a request that scores its prompt computes all of it
+                shared = [] if seq.params.prompt_logprobs is not None else self.prefix.match(seq.prompt_ids)
                 fresh = self.prefix.allocate(need - len(shared))
                 if fresh is None:
                     self.prefix.release(shared, seq.prompt_ids, prompt_done=False)
@@ -196,8 +206,10 @@ class Scheduler:
             n = min(len(seq.prompt_ids) - seq.num_computed, budget)
             budget -= n
             start = seq.num_computed
+            score = seq.params.prompt_logprobs
             items.append(ChunkItem(seq.id, seq.prompt_ids[start : start + n], start, self.slots(seq, start + n),
-                                   start + n == len(seq.prompt_ids)))
+                                   start + n == len(seq.prompt_ids), -1 if score is None else score,
+                                   tuple(seq.prompt_ids[start + 1 : start + n + 1]) if score is not None else ()))
             seq.num_computed = start + n
         return StepPlan("extend", items)
 
@@ -209,14 +221,25 @@ class Scheduler:
             seq.num_computed = p + 1
         return StepPlan("decode", items)
 
-    def apply(self, logits: dict[int, torch.Tensor]) -> list[tuple[Sequence, int]]:
-        """Sample the next token of every request that got logits; finish those that stop."""
+    def apply(self, logits: dict[int, torch.Tensor], scores: dict[int, tuple] | None = None
+              ) -> list[tuple[Sequence, int]]:
+        """Sample the next token of every request that got logits; finish those that stop.
+        ``scores``: the forward's prompt-score blocks by request, kept on the request."""
+        for req_id, block in (scores or {}).items():
+            seq = self.by_id.get(req_id)
+            if seq is not None:
+                seq.prompt_scores.append(block)
         events = []
         for req_id, row in logits.items():
             seq = self.by_id[req_id]
             if self.record_logits:
                 seq.logits.append(row.clone())
-            token = sample(row, seq.params, seq.seed, len(seq.output_ids))
+            params = seq.params
+            picked = process_logits(row, params, seq.prompt_ids, seq.output_ids, seq.stop_ids) if params.processed \
+                else row
+            token = sample(picked, params, seq.seed, len(seq.output_ids))
+            if params.logprobs is not None:
+                seq.logprobs.append(token_logprob(row, token, params.logprobs))
             self._append(seq, token)
             events.append((seq, token))
         return events
@@ -234,7 +257,9 @@ class Scheduler:
 
 
 class Engine:
-    """A scheduler driving a runner (`runner.run(plan) -> {req_id: logits}`).
+    """A scheduler driving a runner: ``runner.run(plan) -> {req_id: logits}``, and after each
+    run ``runner.scores``, that forward's prompt-score blocks by request (empty unless a request
+    asked for prompt logprobs).
 
     Engines on a worker group (``self.group``) close it on ``close()`` / leaving a ``with``."""
 
@@ -267,7 +292,8 @@ class Engine:
         plan = self.scheduler.next_plan()
         if plan is None:
             return []
-        return self.scheduler.apply(self.runner.run(plan))
+        logits = self.runner.run(plan)
+        return self.scheduler.apply(logits, self.runner.scores)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Run requests to completion (all admitted together, batched)."""

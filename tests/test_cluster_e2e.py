@@ -69,6 +69,89 @@ def completion_ids(client, model, prompt, stream):
     return ids
 
 
+def ref_seq(model: str, ids: list[int], **kw):
+    if model not in _REF:
+        _REF[model] = ReferenceEngine(model)
+    return _REF[model].generate([ids], SamplingParams(**{"max_new_tokens": MAX_TOKENS, "stop_token_ids": (), **kw}))[0]
+
+
+def streamed_choices(stream) -> dict[int, dict]:
+    """A stream's chunks gathered per choice: token ids, text, logprob entries."""
+    out: dict[int, dict] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            d = out.setdefault(c.index, {"ids": [], "text": "", "lp": [], "finish": None})
+            d["ids"] += getattr(c, "token_ids", None) or []
+            d["text"] += (c.text if hasattr(c, "text") else (c.delta.content or ""))
+            if c.logprobs is not None:
+                d["lp"] += c.logprobs.content if hasattr(c.logprobs, "content") else c.logprobs.token_logprobs
+            d["finish"] = c.finish_reason or d["finish"]
+    return out
+
+
+def check_sampling_outputs(client, model: str) -> None:
+    """logprobs, echo, n, prompt lists, penalties through the OpenAI client, streaming and not,
+    against the reference engine: prompt logprobs within 1e-5, generated ones within 1e-4."""
+    (p,) = [x for x in prompts(seed=3) if len(x) == 100]
+    ref = ref_seq(model, p, max_new_tokens=3, logprobs=3, prompt_logprobs=3)
+    r = client.completions.create(model=model, prompt=p, max_tokens=3, temperature=0, logprobs=3, echo=True,
+                                  extra_body=EXTRA)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].token_ids == ref.output_ids
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(p) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first prompt token: no context
+    prompt_ref = ref.prompt_logprobs()
+    assert max(abs(a - b.logprob) for a, b in zip(lp.token_logprobs[1:len(p)], prompt_ref)) < 1e-5
+    assert max(abs(a - b.logprob) for a, b in zip(lp.token_logprobs[len(p):], ref.logprobs)) < 1e-4
+    for top, entry in zip(lp.top_logprobs[1:], prompt_ref + ref.logprobs):  # the top 3 and the token itself,
+        allowed = [*entry.top_logprobs, entry.logprob]  # keyed by text (two ids may share one: fewer keys)
+        assert max(top.values()) == pytest.approx(entry.top_logprobs[0], abs=1e-4)
+        assert all(min(abs(v - a) for a in allowed) < 1e-4 for v in top.values())
+    streamed = streamed_choices(client.completions.create(model=model, prompt=p, max_tokens=3, temperature=0,
+                                                          logprobs=3, echo=True, stream=True, extra_body=EXTRA))
+    assert streamed[0]["ids"] == ref.output_ids
+    assert streamed[0]["lp"][0] is None and streamed[0]["lp"][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+
+    # chat: logprobs + top_logprobs
+    msgs = [{"role": "user", "content": "What is context parallelism?"}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body=EXTRA)
+    prompt_ids = r.model_extra.get("prompt_token_ids") or r.prompt_token_ids
+    ref = ref_seq(model, prompt_ids, max_new_tokens=5, logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].token_ids == ref.output_ids and len(content) == 5
+    assert max(abs(c.logprob - e.logprob) for c, e in zip(content, ref.logprobs)) < 1e-4
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    streamed = streamed_choices(client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2, stream=True,
+        extra_body=EXTRA))
+    assert [c.logprob for c in streamed[0]["lp"]] == pytest.approx([c.logprob for c in content], abs=1e-6)
+
+    # n samples of a list of prompts: choice i·n + j is prompt i with seed + j, reproducibly
+    two = [p[:30], p[40:47]]
+    kw = dict(model=model, prompt=two, n=2, max_tokens=6, temperature=0.5, seed=17, extra_body=EXTRA)
+    r = client.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        i, j = divmod(c.index, 2)
+        assert c.token_ids == ref_seq(model, two[i], max_new_tokens=6, temperature=0.5, seed=17 + j).output_ids
+    assert r.usage.prompt_tokens == 37 and r.usage.completion_tokens == 24
+    streamed = streamed_choices(client.completions.create(stream=True, **kw))
+    assert {k: v["ids"] for k, v in streamed.items()} == {c.index: c.token_ids for c in r.choices}
+
+    # penalties, bias, min_tokens
+    plain = ref_seq(model, p[:50], max_new_tokens=8).output_ids
+    pen = dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25, min_tokens=3)
+    bias = {plain[1]: -3.0}
+    r = client.completions.create(model=model, prompt=p[:50], max_tokens=8, temperature=0, logit_bias=bias,
+                                  frequency_penalty=0.5, presence_penalty=0.25,
+                                  extra_body={**EXTRA, "repetition_penalty": 1.3, "min_tokens": 3, "ignore_eos": False,
+                                              "stop_token_ids": [plain[0]]})
+    expect = ref_seq(model, p[:50], max_new_tokens=8, logit_bias=tuple(bias.items()),
+                     stop_token_ids=(plain[0], *_REF[model].cfg.eos_token_ids), **pen).output_ids
+    assert r.choices[0].token_ids == expect and expect != plain[: len(expect)]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model,kw", [
     # (the default layout, tiny + interleave + a2a + copied index, is the module cluster's below)
@@ -94,6 +177,7 @@ def test_openai_client_outputs_equal_the_reference(model, kw):
             if chunk.choices:
                 streamed += getattr(chunk.choices[0], "token_ids", None) or []
         assert streamed == r.choices[0].token_ids
+        check_sampling_outputs(client, model)
     finally:
         stop_cluster(children)
 
@@ -124,6 +208,7 @@ def test_default_layout_outputs_equal_the_reference(cluster):
     client = client_for(cluster)
     for i, p in enumerate(prompts()):
         assert completion_ids(client, "tiny", p, stream=bool(i % 2)) == reference("tiny", p), len(p)
+    check_sampling_outputs(client, "tiny")
 
 
 def test_internal_rpcs_need_the_token_cpserve_up_made(cluster):

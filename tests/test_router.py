@@ -412,6 +412,29 @@ def test_stop_token_ids_and_ignore_eos(start_router):
     assert r["choices"][0]["text"] == "Th"
 
 
+def test_include_stop_str_in_output_and_skip_special_tokens(start_router):
+    h = start_router(prefills=[FakePrefill(eos_at=5)], decodes=[FakeDecode(eos_at=5)])
+    for stream in (False, True):
+        def text(**extra):
+            body = {"prompt": "x", "max_tokens": 12, "stream": stream, **extra}
+            resp = post(h, "/v1/completions", body)
+            if not stream:
+                return resp.json()["choices"][0]["text"]
+            return "".join(ev["choices"][0]["text"] for ev in sse_events(resp)[:-1] if ev["choices"])
+        # a stop string: cut before it, or (vLLM's include_stop_str_in_output) just after it
+        assert text(stop=[" q"]) == "The"
+        assert text(stop=[" q"], include_stop_str_in_output=True) == "The q"
+        # a stop token id's text, and EOS's, render only when special tokens are not skipped
+        q = TEXT_IDS[2]  # "e"
+        assert text(stop=[q]) == "Th"
+        assert text(stop=[q], include_stop_str_in_output=True) == "The"
+        assert text() == TEXT[:5]
+        # as vLLM: EOS's text stays out unless include_stop_str_in_output, even unskipped
+        assert text(skip_special_tokens=False) == TEXT[:5]
+        assert text(skip_special_tokens=False, include_stop_str_in_output=True) == TEXT[:5] + "<eos>"
+        assert text(include_stop_str_in_output=True) == TEXT[:5]
+
+
 # ---- validation --------------------------------------------------------------------------------
 BAD_COMPLETIONS = [
     (b"{not json", 400, None),
@@ -431,14 +454,28 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "x", "model": 3}, 400, "model"),
     ({"prompt": "x", "foo": 1}, 400, "foo"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
-    ({"prompt": "x", "logprobs": 1}, 400, "logprobs"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
-    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 17}, 400, "n"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ({"prompt": "x", "echo": 1}, 400, "echo"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {str(VOCAB): 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": [1]}, 400, "logit_bias"),
+    ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens"),
+    ({"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output"),
+    ({"prompt": "x", "skip_special_tokens": 0}, 400, "skip_special_tokens"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": ["a", []]}, 400, "prompt[1]"),
+    ({"prompt": ["a", [1, VOCAB]]}, 400, "prompt[1]"),
+    ({"prompt": ["a"] * 65}, 400, "prompt"),
     ({"prompt": [1, VOCAB]}, 400, "prompt"),
     ({"prompt": [1, -1]}, 400, "prompt"),
     ({"prompt": [1, "a"]}, 400, "prompt"),
@@ -471,6 +508,10 @@ BAD_CHAT = [
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, 400, "prompt"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
 ]
 
 

@@ -54,3 +54,9 @@ class ForwardBatch:
     all_reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity)
     trace: dict | None = None  # when set, attention records its DSA selections here (tests)
     moe: ExpertDispatch = field(default=LOCAL_EXPERTS)  # who runs the routed experts (engine/parallel/expert.py)
+    # prompt scoring (echo / prompt logprobs): own-token indices, the next token of each, top-N;
+    # the forward leaves (logprob [n], top ids [n, N], top logprobs [n, N]) in ``scores``
+    score_index: torch.Tensor | None = None
+    score_targets: torch.Tensor | None = None
+    score_top: int = 0
+    scores: tuple | None = None

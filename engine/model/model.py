@@ -29,6 +29,7 @@ from engine.model.attention import (
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.rope import RopeTables, Rotary
+from engine.model.sampler import score_block
 
 EXTEND_QUERY_CHUNK = 1024
 
@@ -391,5 +392,19 @@ class CausalLM(nn.Module):
             x, layer_sel = layer(x, batch, rope, sel)
             if layer_sel is not None:
                 sel = layer_sel
+        if batch.score_index is not None and batch.score_index.numel():
+            batch.scores = self._score(x, batch)
         x = self.model.norm(x[batch.logit_index])
         return _fp32(self.lm_head(x))
+
+    SCORE_BLOCK = 256  # prompt positions per LM-head block: [256, V] fp32 logits at a time
+
+    def _score(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """Log-probabilities of each scored token's next token, block by block (a whole long
+        prompt's logits never exist at once)."""
+        parts = []
+        for i in range(0, batch.score_index.numel(), self.SCORE_BLOCK):
+            idx = batch.score_index[i : i + self.SCORE_BLOCK]
+            logits = _fp32(self.lm_head(self.model.norm(x[idx])))
+            parts.append(score_block(logits, batch.score_targets[i : i + self.SCORE_BLOCK], batch.score_top))
+        return tuple(torch.cat(p) for p in zip(*parts))

@@ -63,8 +63,8 @@ class Tokenizer:
         """Token ids of ``text`` with the tokenizer's special tokens (BOS where it adds one)."""
         return list(self.hf.encode(text, add_special_tokens=True))
 
-    def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
     def has_chat_template(self) -> bool:
@@ -80,15 +80,15 @@ class Tokenizer:
         template writes its own special tokens (BOS), so none are added when encoding it."""
         return list(self.hf.encode(self.render_chat(messages), add_special_tokens=False))
 
-    def decode_stream(self) -> "FastDecodeStream | OffsetDecodeStream":
+    def decode_stream(self, skip_special_tokens: bool = True) -> "FastDecodeStream | OffsetDecodeStream":
         if self._backend is not None:
-            return FastDecodeStream(self)
-        return OffsetDecodeStream(self)
+            return FastDecodeStream(self, skip_special_tokens)
+        return OffsetDecodeStream(self, skip_special_tokens)
 
 
 class _StreamBase:
-    def __init__(self, tok: Tokenizer):
-        self.tok = tok
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True):
+        self.tok, self.skip = tok, skip_special_tokens
         self.ids: list[int] = []
         self.sent = 0  # characters handed out
 
@@ -96,7 +96,7 @@ class _StreamBase:
         """The text of all ids beyond what ``step`` returned (one full decode, at the end)."""
         if not self.ids:
             return ""
-        full = self.tok.decode(self.ids)
+        full = self.tok.decode(self.ids, self.skip)
         tail = full[self.sent:] if len(full) > self.sent else ""
         self.sent += len(tail)
         return tail
@@ -105,11 +105,11 @@ class _StreamBase:
 class FastDecodeStream(_StreamBase):
     """tokenizers' ``DecodeStream``: O(1) amortised per token."""
 
-    def __init__(self, tok: Tokenizer):
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True):
         from tokenizers.decoders import DecodeStream
 
-        super().__init__(tok)
-        self._stream = DecodeStream(skip_special_tokens=True)
+        super().__init__(tok, skip_special_tokens)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -126,15 +126,15 @@ class OffsetDecodeStream(_StreamBase):
     """For tokenizers without a Rust backend: decode a short window of recent ids and send what
     it has beyond the window's previous text, unless that ends in an incomplete character."""
 
-    def __init__(self, tok: Tokenizer):
-        super().__init__(tok)
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True):
+        super().__init__(tok, skip_special_tokens)
         self._prefix = 0  # window start
         self._read = 0  # ids whose text was sent
 
     def step(self, token_id: int) -> str:
         self.ids.append(token_id)
-        before = self.tok.decode(self.ids[self._prefix:self._read])
-        after = self.tok.decode(self.ids[self._prefix:])
+        before = self.tok.decode(self.ids[self._prefix:self._read], self.skip)
+        after = self.tok.decode(self.ids[self._prefix:], self.skip)
         if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
             return ""
         self._prefix, self._read = self._read, len(self.ids)
@@ -158,10 +158,10 @@ class NoTokenizer:
 
     encode = render_chat = apply_chat_template = _refuse
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
 
-    def decode_stream(self) -> "_Silent":
+    def decode_stream(self, skip_special_tokens: bool = True) -> "_Silent":
         return _Silent()
 
 

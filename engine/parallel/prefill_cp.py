@@ -40,7 +40,7 @@ from engine.parallel.expert import prefill_dispatch
 from engine.parallel.layout import layer_owner, layer_owner_ranges, split_batch
 from engine.parallel.shard import WeightShard, weights_held
 from engine.plan import StepPlan
-from engine.runner import batch_inputs
+from engine.runner import batch_inputs, merge_scores, score_request, split_scores
 
 
 class ScratchLayer:
@@ -207,9 +207,13 @@ class PrefillRank:
             kv.on_stored = lambda layer: self._push_layer(armed, layer, futures)
         batch = ForwardBatch(ids[own], pos[own], views, kv, torch.tensor(logit_local, dtype=torch.long),
                              trace=self.trace, moe=self.moe)
+        scoring = score_request(plan, own)  # prompt logprobs of this rank's own tokens
+        if scoring is not None:
+            batch.score_index, batch.score_targets, batch.score_top = scoring.index, scoring.targets, scoring.top
         logits = self.lm(batch)
         pushed = {rid: self.sender.merge([f.result() for f in fs]) for rid, fs in futures.items()}
-        return {rid: logits[j] for j, rid in enumerate(logit_req)}, time.perf_counter() - t0, pushed
+        scores = split_scores(scoring, batch.scores)
+        return {rid: logits[j] for j, rid in enumerate(logit_req)}, time.perf_counter() - t0, pushed, scores
 
     def _push_layer(self, armed: dict, layer: int, futures: dict) -> None:
         if self.pusher is None:
@@ -251,15 +255,20 @@ class CPRunner:
         self.rank_seconds = [0.0] * group.world_size
         self.arm = None
         self.push_results: dict[int, list[dict]] = {}
+        self.scores: dict[int, tuple] = {}  # the last forward's prompt scores by request
 
     def run(self, plan: StepPlan) -> dict[int, torch.Tensor]:
         if plan.is_decode:
             raise ValueError("prefill CP runs extend steps only (set max_new_tokens=1 for prefill)")
         armed = self.arm(plan) if self.arm is not None else None
         merged: dict[int, torch.Tensor] = {}
-        for r, (logits, seconds, pushed) in enumerate(self.group.call("run", plan, self.trace, armed or None)):
+        blocks: dict[int, list] = {}
+        for r, (logits, seconds, pushed, scores) in enumerate(self.group.call("run", plan, self.trace, armed or None)):
             merged.update(logits)
+            for rid, block in scores.items():
+                blocks.setdefault(rid, []).append(block)
             self.rank_seconds[r] += seconds
             for rid, result in pushed.items():
                 self.push_results.setdefault(rid, []).append(result)
+        self.scores = {rid: merge_scores(b) for rid, b in blocks.items()}  # gathered in prompt order
         return {it.req_id: merged[it.req_id] for it in plan.items if it.req_id in merged}

@@ -6,7 +6,7 @@ message path (``destination.index_mode``), so the service answers INVALID_ARGUME
 
 from __future__ import annotations
 
-from engine.model.sampler import InvalidRequest, SamplingParams
+from engine.model.sampler import InvalidRequest, SamplingParams, TokenLogprob
 from engine.handoff import KvDestination, RankEndpoint
 from services.protos import common_pb2, decode_pb2, kv_pb2
 
@@ -23,7 +23,7 @@ def sampling_from_proto(msg: common_pb2.Sampling, eos_token_ids: tuple[int, ...]
     - none given and ``ignore_eos``: ``()`` (never stop early);
     - none given otherwise: ``None`` (the scheduler uses the model's EOS ids).
 
-    ``top_p`` 0 on the wire means unset (1.0). Range checks are SamplingParams.validate's.
+    ``top_p`` and ``repetition_penalty`` 0 on the wire mean unset (1.0). Range checks are SamplingParams.validate's.
     """
     given = tuple(msg.stop_token_ids)
     if given:
@@ -32,7 +32,16 @@ def sampling_from_proto(msg: common_pb2.Sampling, eos_token_ids: tuple[int, ...]
         stop = () if msg.ignore_eos else None
     return SamplingParams(max_new_tokens=msg.max_new_tokens, temperature=msg.temperature,
                           top_p=msg.top_p or 1.0, top_k=msg.top_k,
-                          seed=msg.seed if msg.HasField("seed") else None, stop_token_ids=stop)
+                          seed=msg.seed if msg.HasField("seed") else None, stop_token_ids=stop,
+                          min_tokens=msg.min_tokens, presence_penalty=msg.presence_penalty,
+                          frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty or 1.0,
+                          logit_bias=tuple(sorted(msg.logit_bias.items())),
+                          logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+                          prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
+
+
+def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
 
 
 # ---- the KV destination -------------------------------------------------------------------

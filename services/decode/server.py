@@ -28,7 +28,7 @@ from engine.scheduler import Sequence, validate_prompt
 from kvtransfer.transport import use_port_range
 from services.common import rpc
 from services.common.config import DecodeConfig
-from services.common.convert import destination_to_proto, finish_reason_to_proto, sampling_from_proto
+from services.common.convert import destination_to_proto, finish_reason_to_proto, logprob_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop
 from services.protos import decode_pb2, decode_pb2_grpc
 
@@ -64,8 +64,11 @@ def _snapshot(engine: DCPDecodeEngine) -> _Snapshot:
                      tuple(filled), len(seqs), len(engine.reservations.active))
 
 
-def _token(token: int, index: int) -> decode_pb2.GenerateEvent:
-    return decode_pb2.GenerateEvent(token=decode_pb2.GenerateEvent.Token(id=token, index=index))
+def _token(token: int, index: int, seq: Sequence) -> decode_pb2.GenerateEvent:
+    event = decode_pb2.GenerateEvent(token=decode_pb2.GenerateEvent.Token(id=token, index=index))
+    if seq.params.logprobs is not None and seq.logprobs:  # this step's: the first token's came from prefill
+        event.token.logprob.CopyFrom(logprob_to_proto(seq.logprobs[-1]))
+    return event
 
 
 def _done(seq: Sequence) -> decode_pb2.GenerateEvent:
@@ -101,7 +104,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             entry = self._streams.get(seq.id)
             if entry is None:
                 continue
-            entry[1].put(_token(token, len(seq.output_ids) - 1))
+            entry[1].put(_token(token, len(seq.output_ids) - 1, seq))
             if seq.is_finished:
                 del self._streams[seq.id]
                 entry[1].put(_done(seq))

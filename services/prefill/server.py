@@ -27,7 +27,7 @@ from services.common import rpc
 from services.common.rpc import ServiceUnavailable
 from services.common.security import InternalPlane
 from services.common.config import PrefillConfig
-from services.common.convert import destination_from_proto, sampling_from_proto
+from services.common.convert import destination_from_proto, logprob_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop
 from services.protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -186,7 +186,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 first_token=seq.output_ids[0], seed=seq.seed, prefill_ms=(computed - queued) * 1e3,
                 transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=_write_seconds(stats) * 1e3,
                 cached_tokens=seq.num_cached, queue_ms=(queued - arrived) * 1e3, compute_ms=(computed - queued) * 1e3,
-                handoff_ms=(written - computed) * 1e3, service_ms=(time.perf_counter() - arrived) * 1e3)
+                handoff_ms=(written - computed) * 1e3, service_ms=(time.perf_counter() - arrived) * 1e3,
+                prompt_logprobs=[logprob_to_proto(lp) for lp in seq.prompt_logprobs()])
+            if seq.logprobs:
+                response.first_logprob.CopyFrom(logprob_to_proto(seq.logprobs[0]))
             if self.metrics is not None:
                 self.metrics.transfer_bytes.inc(response.transfer_bytes)
                 self.metrics.transfer_seconds.inc(response.transfer_ms / 1e3)

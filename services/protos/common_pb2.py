@@ -24,15 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x0e\x63pserve.common\"\x9d\x01\n\x08Sampling\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x0f\n\rStatusRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x0e\x63pserve.common\"\xc7\x03\n\x08Sampling\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x01\x12;\n\nlogit_bias\x18\x0c \x03(\x0b\x32\'.cpserve.common.Sampling.LogitBiasEntry\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x0f\n\rStatusRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLING_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLING']._serialized_start=33
-  _globals['_SAMPLING']._serialized_end=190
-  _globals['_STATUSREQUEST']._serialized_start=192
-  _globals['_STATUSREQUEST']._serialized_end=207
+  _globals['_SAMPLING']._serialized_end=488
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=398
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=446
+  _globals['_TOKENLOGPROB']._serialized_start=490
+  _globals['_TOKENLOGPROB']._serialized_end=560
+  _globals['_STATUSREQUEST']._serialized_start=562
+  _globals['_STATUSREQUEST']._serialized_end=577
 # @@protoc_insertion_point(module_scope)

@@ -74,12 +74,14 @@ class GenerateRequest(_message.Message):
 class GenerateEvent(_message.Message):
     __slots__ = ("token", "done", "error")
     class Token(_message.Message):
-        __slots__ = ("id", "index")
+        __slots__ = ("id", "index", "logprob")
         ID_FIELD_NUMBER: _ClassVar[int]
         INDEX_FIELD_NUMBER: _ClassVar[int]
+        LOGPROB_FIELD_NUMBER: _ClassVar[int]
         id: int
         index: int
-        def __init__(self, id: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+        logprob: _common_pb2.TokenLogprob
+        def __init__(self, id: _Optional[int] = ..., index: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
     class Done(_message.Message):
         __slots__ = ("finish_reason", "num_tokens")
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]

@@ -21,7 +21,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., destination: _Optional[_Union[_kv_pb2.KvDestination, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "seed", "prefill_ms", "transfer_bytes", "transfer_ms", "cached_tokens", "queue_ms", "compute_ms", "handoff_ms", "service_ms")
+    __slots__ = ("first_token", "seed", "prefill_ms", "transfer_bytes", "transfer_ms", "cached_tokens", "queue_ms", "compute_ms", "handoff_ms", "service_ms", "first_logprob", "prompt_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class PrefillResponse(_message.Message):
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     seed: int
     prefill_ms: float
@@ -42,7 +44,9 @@ class PrefillResponse(_message.Message):
     compute_ms: float
     handoff_ms: float
     service_ms: float
-    def __init__(self, first_token: _Optional[int] = ..., seed: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., handoff_ms: _Optional[float] = ..., service_ms: _Optional[float] = ...) -> None: ...
+    first_logprob: _common_pb2.TokenLogprob
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, first_token: _Optional[int] = ..., seed: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., handoff_ms: _Optional[float] = ..., service_ms: _Optional[float] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ServiceStatus(_message.Message):
     __slots__ = ("model", "cp", "queue_depth", "rows_used", "rows_free", "serving")

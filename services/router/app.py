@@ -2,7 +2,12 @@
 
 Responses
 ---------
-- ``/v1/completions``: ``choices[0].text``; ``/v1/chat/completions``: ``choices[0].message``.
+- ``/v1/completions``: ``choices[i].text``; ``/v1/chat/completions``: ``choices[i].message``;
+  one choice per prompt and sample (``n``), numbered prompt-major, each with its own
+  ``finish_reason``. With ``logprobs`` a completion choice carries OpenAI's legacy shape
+  (``tokens``, ``token_logprobs``, ``top_logprobs`` as ``{text: logprob}``, ``text_offset``) and
+  a chat choice ``logprobs.content`` (``token``, ``logprob``, ``bytes``, ``top_logprobs``);
+  ``echo`` puts the prompt (and, with ``logprobs``, its scores, the first ``null``) first.
   ``usage`` counts prompt and completion tokens, and ``prompt_tokens_details.cached_tokens``
   the prompt tokens the prefill service's prefix cache already held (0 unless it runs with
   ``prefix_cache``). With ``return_token_ids`` the choice also
@@ -32,6 +37,7 @@ import logging
 import re
 import time
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import grpc
@@ -41,7 +47,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.router.backend import BackendError
-from services.router.completion import CompletionRunner, Finished, TokenDelta
+from services.router.completion import CompletionRequest, CompletionRunner, Finished, TokenDelta
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Cluster
 from services.router.params import (ApiError, ModelContext, ParsedRequest, parse_detokenize, parse_json,
@@ -96,45 +102,135 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-class _Shape:
-    """Builds the JSON of one endpoint's responses and stream chunks."""
+@dataclass
+class _Choice:
+    """What one choice has produced so far."""
 
-    def __init__(self, parsed: ParsedRequest, chat: bool, model: str):
+    req: CompletionRequest
+    parts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, Any]] = field(default_factory=list)  # (id, TokenLogprob) per generated token
+    prompt_logprobs: tuple = ()
+    finished: Finished | None = None
+
+    def add(self, ev: TokenDelta) -> None:
+        self.parts.append(ev.text)
+        self.ids.append(ev.id)
+        if ev.logprob is not None:
+            self.logprobs.append((ev.id, ev.logprob))
+        if ev.index == 0:
+            self.prompt_logprobs = ev.prompt_logprobs
+
+
+class _Shape:
+    """Builds the JSON of one endpoint's responses and stream chunks.
+
+    Logprobs: completions as OpenAI's legacy object (``tokens``, ``token_logprobs``,
+    ``top_logprobs`` — the top N as {token text: logprob}, plus the picked token as vLLM adds
+    it — and ``text_offset``); chat as ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
+    A token's text is its own decode, special tokens included."""
+
+    def __init__(self, parsed: ParsedRequest, chat: bool, model: str, tokenizer):
         self.chat, self.model, self.ids = chat, model, parsed.return_token_ids
         self.id, self.created = parsed.completion.job.request_id, int(time.time())
-        self.prompt_ids = list(parsed.completion.job.prompt_ids)
         self.include_usage, self.continuous_usage = parsed.include_usage, parsed.continuous_usage
+        self.logprobs, self.echo, self.tokenizer = parsed.logprobs, parsed.echo, tokenizer
+        self._strs: dict[int, str] = {}
 
+    def token_str(self, token: int) -> str:
+        s = self._strs.get(token)
+        if s is None:
+            s = self._strs[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return s
+
+    def echo_text(self, req: CompletionRequest) -> str:
+        if req.prompt_text is not None:
+            return req.prompt_text
+        return self.tokenizer.decode(list(req.job.prompt_ids), skip_special_tokens=req.skip_special_tokens)
+
+    # ---- logprobs ------------------------------------------------------------------------
+    def _top(self, token: int, lp) -> dict[str, float]:
+        top: dict[str, float] = {}
+        for t, v in zip(lp.top_ids, lp.top_logprobs):  # most likely first: a shared text keeps the larger
+            top.setdefault(self.token_str(t), v)
+        top.setdefault(self.token_str(token), lp.logprob)
+        return top
+
+    def completion_logprobs(self, entries: list[tuple[int, Any]], offset: int = 0,
+                            prompt: tuple[list[int], tuple] | None = None) -> dict:
+        """``entries``: (id, TokenLogprob) of generated tokens; ``prompt``: (prompt ids, their
+        logprobs from token 1 on) for echo, put first (the first prompt token's entries null)."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        rows: list[tuple[int, Any]] = []
+        if prompt is not None:
+            ids, scored = prompt
+            rows = [(ids[0], None)] + list(zip(ids[1:], scored))
+        for token, lp in rows + entries:
+            s = self.token_str(token)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(None if lp is None else lp.logprob)
+            out["top_logprobs"].append(None if lp is None else self._top(token, lp))
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
+    def _chat_entry(self, token: int, lp) -> dict:
+        s = self.token_str(token)
+        return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [{"token": (t := self.token_str(i)), "logprob": v, "bytes": list(t.encode("utf-8"))}
+                                 for i, v in zip(lp.top_ids, lp.top_logprobs)]}
+
+    def chat_logprobs(self, entries: list[tuple[int, Any]]) -> dict:
+        return {"content": [self._chat_entry(t, lp) for t, lp in entries]}
+
+    def _choice_logprobs(self, entries: list[tuple[int, Any]], offset: int = 0, prompt=None) -> dict | None:
+        if self.logprobs is None:
+            return None
+        return self.chat_logprobs(entries) if self.chat else self.completion_logprobs(entries, offset, prompt)
+
+    # ---- bodies --------------------------------------------------------------------------
     def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def _prompt_extra(self) -> tuple[dict, dict]:
+    def _prompt_extra(self, req: CompletionRequest) -> tuple[dict, dict]:
         """(top-level extra, choice extra) holding the prompt's ids."""
         if not self.ids:
             return {}, {}
-        return ({"prompt_token_ids": self.prompt_ids}, {}) if self.chat else ({}, {"prompt_token_ids": self.prompt_ids})
+        ids = list(req.job.prompt_ids)
+        return ({"prompt_token_ids": ids}, {}) if self.chat else ({}, {"prompt_token_ids": ids})
 
-    def full(self, text: str, token_ids: list[int], fin: Finished) -> dict:
-        top, extra = self._prompt_extra()
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": fin.reason, **extra}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if self.ids:
-            choice["token_ids"] = token_ids
-        usage = _usage(fin)
-        return self._envelope("chat.completion" if self.chat else "text_completion", [choice], usage=usage, **top)
+    def full(self, choices: list[_Choice]) -> dict:
+        out, top = [], {}
+        for c in choices:
+            fin = c.finished
+            top, extra = self._prompt_extra(c.req)
+            text = "".join(c.parts) + fin.text
+            prompt = None
+            if self.echo:
+                head = self.echo_text(c.req)
+                prompt = (list(c.req.job.prompt_ids), c.prompt_logprobs)
+                text = head + text
+            choice: dict[str, Any] = {"index": c.req.index, "logprobs": self._choice_logprobs(c.logprobs, 0, prompt),
+                                      "finish_reason": fin.reason, **extra}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            if self.ids:
+                choice["token_ids"] = c.ids
+            out.append(choice)
+        return self._envelope("chat.completion" if self.chat else "text_completion", out,
+                              usage=total_usage(choices), **top)
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None, first: bool,
-              completion_tokens: int) -> dict:
+    def chunk(self, req: CompletionRequest, text: str, token_ids: list[int], finish_reason: str | None, first: bool,
+              completion_tokens: int, logprobs: dict | None = None) -> dict:
         """One stream chunk; ``completion_tokens``: generated so far (for continuous usage)."""
-        top, extra = self._prompt_extra() if first else ({}, {})
+        top, extra = self._prompt_extra(req) if first else ({}, {})
         if self.continuous_usage:
-            top["usage"] = usage_dict(len(self.prompt_ids), completion_tokens)
+            top["usage"] = usage_dict(len(req.job.prompt_ids), completion_tokens)
         elif self.include_usage:
             top["usage"] = None  # as OpenAI: null on every chunk but the final usage chunk
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason, **extra}
+        choice: dict[str, Any] = {"index": req.index, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text or first:
@@ -146,8 +242,33 @@ class _Shape:
             choice["token_ids"] = token_ids
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], **top)
 
-    def usage_chunk(self, fin: Finished) -> dict:
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage=_usage(fin))
+    def token_chunk(self, c: _Choice, ev: TokenDelta, first: bool, offset: int) -> dict:
+        lp = None
+        if self.logprobs is not None and ev.logprob is not None:
+            lp = self._choice_logprobs([(ev.id, ev.logprob)], offset)
+        return self.chunk(c.req, ev.text, [ev.id], None, first, ev.index + 1, lp)
+
+    def echo_chunk(self, c: _Choice, first_event: TokenDelta) -> dict:
+        """Completions with echo, streamed: the prompt's text (and logprobs) before any token."""
+        lp = None
+        if self.logprobs is not None:
+            lp = self.completion_logprobs([], 0, (list(c.req.job.prompt_ids), first_event.prompt_logprobs))
+        return self.chunk(c.req, self.echo_text(c.req), [], None, True, 0, lp)
+
+    def usage_chunk(self, choices: list[_Choice]) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
+                              usage=total_usage(choices))
+
+
+def total_usage(choices: list[_Choice]) -> dict:
+    """Usage of a request: each prompt counted once (with its prefix-cache hits), every choice's tokens."""
+    prompts: dict[int, tuple[int, int]] = {}
+    completion = 0
+    for c in choices:
+        fin = c.finished
+        prompts.setdefault(c.req.prompt_index, (fin.prompt_tokens, fin.cached_tokens))
+        completion += fin.completion_tokens
+    return usage_dict(sum(p for p, _ in prompts.values()), completion, sum(c for _, c in prompts.values()))
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -165,10 +286,6 @@ def _package_version() -> str:
 
 
 _VERSION = _package_version()
-
-
-def _usage(fin: Finished) -> dict:
-    return usage_dict(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)
 
 
 def _sse(obj: dict) -> str:
@@ -218,18 +335,24 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
     async def complete(request: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
         parsed = await parse(request, chat)
-        shape = _Shape(parsed, chat, ctx.name)
-        events = runner.run(parsed.completion, arrived)
+        shape = _Shape(parsed, chat, ctx.name, ctx.tokenizer)
+        streams = [runner.run(c, arrived) for c in parsed.completions]
         try:
             if parsed.stream:
-                first = await _unless_disconnected(request, anext(events))
-                return StreamingResponse(_stream(shape, first, events, parsed.include_usage),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            return JSONResponse(await _unless_disconnected(request, _collect(shape, events)))
+                firsts = await _unless_disconnected(request, _all([anext(s) for s in streams]))
+                return StreamingResponse(_stream(shape, parsed, firsts, streams), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            return JSONResponse(await _unless_disconnected(
+                request, _all([_collect(_Choice(c), s) for c, s in zip(parsed.completions, streams)], shape.full)))
         except BackendError as e:
+            await _close_all(streams)
             raise api_error_of(e) from None
         except ClientGone:
+            await _close_all(streams)
             return Response(status_code=499)
+        except BaseException:
+            await _close_all(streams)
+            raise
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -296,40 +419,110 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
     return app
 
 
-async def _collect(shape: _Shape, events: AsyncIterator[TokenDelta | Finished]) -> dict:
-    parts: list[str] = []
-    ids: list[int] = []
+async def _all(works: list[Awaitable[T]], then=None):
+    """Every result in order (passed to ``then``); if one fails, the others are cancelled first."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return then(results) if then is not None else results
+
+
+async def _close_all(streams: list[AsyncIterator]) -> None:
+    for s in streams:
+        try:
+            await s.aclose()
+        except (RuntimeError, Exception):  # already running (being cancelled) or already failed
+            pass
+
+
+async def _collect(choice: _Choice, events: AsyncIterator[TokenDelta | Finished]) -> _Choice:
     async with aclosing(events):
         async for ev in events:
             if isinstance(ev, Finished):
-                parts.append(ev.text)
-                return shape.full("".join(parts), ids, ev)
-            parts.append(ev.text)
-            ids.append(ev.id)
+                choice.finished = ev
+                return choice
+            choice.add(ev)
     raise BackendError(grpc.StatusCode.INTERNAL, "the completion ended without finishing")
 
 
-async def _stream(shape: _Shape, first: TokenDelta | Finished, events: AsyncIterator[TokenDelta | Finished],
-                  include_usage: bool) -> AsyncIterator[str]:
-    async with aclosing(events):
-        is_first = True
-        ev: TokenDelta | Finished | None = first
+async def _merged(firsts: list, streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice k, event) from every stream as they come, each stream's own order kept; one
+    stream is iterated directly (no task, no queue on the one-choice path)."""
+    if len(streams) == 1:
+        ev = firsts[0]
+        while ev is not None:
+            yield 0, ev
+            if isinstance(ev, Finished):
+                return
+            ev = await anext(streams[0], None)
+        raise BackendError(grpc.StatusCode.INTERNAL, "the completion ended without finishing")
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int) -> None:
+        ev = firsts[k]
         try:
             while ev is not None:
+                await queue.put((k, ev))
                 if isinstance(ev, Finished):
-                    yield _sse(shape.chunk(ev.text, [], ev.reason, is_first, ev.completion_tokens))
-                    if include_usage:
-                        yield _sse(shape.usage_chunk(ev))
+                    return
+                ev = await anext(streams[k], None)
+            raise BackendError(grpc.StatusCode.INTERNAL, "the completion ended without finishing")
+        except Exception as e:  # noqa: BLE001 — handed to the consumer
+            await queue.put((k, e))
+
+    tasks = [asyncio.ensure_future(pump(k)) for k in range(len(streams))]
+    try:
+        for _ in range(len(streams)):
+            while True:
+                k, ev = await queue.get()
+                if isinstance(ev, Exception):
+                    raise ev
+                yield k, ev
+                if isinstance(ev, Finished):
                     break
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _stream(shape: _Shape, parsed: ParsedRequest, firsts: list, streams: list[AsyncIterator]
+                  ) -> AsyncIterator[str]:
+    choices = [_Choice(c) for c in parsed.completions]
+    fresh = [True] * len(choices)  # no chunk sent yet (chat: the role goes in the first)
+    offsets = [0] * len(choices)  # text_offset of the next token (completions logprobs)
+    try:
+        if shape.echo:
+            for k, c in enumerate(choices):
+                if isinstance(firsts[k], TokenDelta):
+                    yield _sse(shape.echo_chunk(c, firsts[k]))
+                    fresh[k] = False
+        async with aclosing(_merged(firsts, streams)) as events:
+            async for k, ev in events:
+                c = choices[k]
+                if isinstance(ev, Finished):
+                    c.finished = ev
+                    yield _sse(shape.chunk(c.req, ev.text, [], ev.reason, fresh[k], ev.completion_tokens))
+                    continue
                 # one chunk per generated token, its text "" while bytes or a stop prefix are held
-                yield _sse(shape.chunk(ev.text, [ev.id], None, is_first, ev.index + 1))
-                is_first = False
-                ev = await anext(events, None)
-        except BackendError as e:
-            err = api_error_of(e)
-            yield _sse({"error": {**err.body()["error"], "code": err.status}})
-        except Exception as e:  # never a stack trace to the client
-            logger.exception("stream failed")
-            yield _sse({"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error",
-                                  "param": None, "code": 500}})
-        yield "data: [DONE]\n\n"
+                c.add(ev)
+                yield _sse(shape.token_chunk(c, ev, fresh[k], offsets[k]))
+                offsets[k] += len(shape.token_str(ev.id)) if shape.logprobs is not None else 0
+                fresh[k] = False
+        if parsed.include_usage:
+            yield _sse(shape.usage_chunk(choices))
+    except BackendError as e:
+        err = api_error_of(e)
+        yield _sse({"error": {**err.body()["error"], "code": err.status}})
+    except Exception as e:  # never a stack trace to the client
+        logger.exception("stream failed")
+        yield _sse({"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error",
+                              "param": None, "code": 500}})
+    finally:
+        await _close_all(streams)
+    yield "data: [DONE]\n\n"

@@ -69,6 +69,8 @@ class FirstToken:
     queue_ms: float = 0.0
     compute_ms: float = 0.0
     handoff_ms: float = 0.0
+    logprob: Any = None  # common_pb2.TokenLogprob of the token, when asked for
+    prompt_logprobs: tuple = ()  # common_pb2.TokenLogprob of prompt tokens 1.., when asked for
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class Token:
     id: int
     index: int  # among generated tokens; the prefill's first is 0
     cached_tokens: int = 0  # on the first token: prompt tokens the prefill prefix cache held
+    logprob: Any = None  # common_pb2.TokenLogprob (.logprob, .top_ids, .top_logprobs), when asked for
+    prompt_logprobs: tuple = ()  # on the first token, with echo / prompt logprobs
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,8 @@ class GrpcPrefillClient(_GrpcService, PrefillClient):
         except grpc.aio.AioRpcError as e:
             raise _error(e, self.address) from None
         return FirstToken(r.first_token, r.seed, r.prefill_ms, r.transfer_bytes, r.transfer_ms, r.cached_tokens,
-                          r.queue_ms, r.compute_ms, r.handoff_ms)
+                          r.queue_ms, r.compute_ms, r.handoff_ms,
+                          r.first_logprob if r.HasField("first_logprob") else None, tuple(r.prompt_logprobs))
 
     async def status(self, timeout: float) -> PrefillLoad:
         try:
@@ -222,7 +227,8 @@ class GrpcDecodeClient(_GrpcService, DecodeClient):
             async for ev in call:
                 kind = ev.WhichOneof("event")
                 if kind == "token" and done is None:
-                    yield Token(ev.token.id, ev.token.index)
+                    yield Token(ev.token.id, ev.token.index,
+                                logprob=ev.token.logprob if ev.token.HasField("logprob") else None)
                 elif kind == "done":
                     reason = _FINISH.get(ev.done.finish_reason)
                     if reason is None:

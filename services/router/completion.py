@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 
@@ -31,6 +31,11 @@ class CompletionRequest:
     job: Job
     stop: tuple[str, ...] = ()  # stop strings
     stop_token_ids: frozenset[int] = frozenset()  # every id that ends the stream (EOS included unless ignored)
+    index: int = 0  # the choice's index in the response
+    prompt_index: int = 0  # which of the request's prompts
+    include_stop: bool = False  # include_stop_str_in_output
+    skip_special_tokens: bool = True
+    prompt_text: str | None = None  # the prompt as the client sent it, when it was text (for echo)
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class TokenDelta:
     id: int
     index: int
     text: str  # new visible text (may be "")
+    logprob: Any = None  # .logprob, .top_ids, .top_logprobs (common_pb2.TokenLogprob), when asked for
+    prompt_logprobs: tuple = ()  # on token 0, with echo and logprobs: prompt tokens 1.. scored
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,7 @@ class CompletionRunner:
         clock = TtftClock(arrived)
         clock.lap("parse")
         token_times: list[float] = []
-        text = TextAssembler(self.tokenizer, req.stop, req.stop_token_ids)
+        text = TextAssembler(self.tokenizer, req.stop, req.stop_token_ids, req.include_stop, req.skip_special_tokens)
         outcome = "cancelled"  # unless we get to the end
         cached = 0  # prompt tokens from the prefill prefix cache (known from the first token)
         self.metrics.in_flight.inc()
@@ -74,7 +81,7 @@ class CompletionRunner:
                         return
                     if event.index == 0:
                         cached = event.cached_tokens
-                    delta = TokenDelta(event.id, event.index, text.push(event.id))
+                    delta = TokenDelta(event.id, event.index, text.push(event.id), event.logprob, event.prompt_logprobs)
                     token_times.append(time.perf_counter())
                     if len(token_times) == 1:
                         clock.lap("detokenize")

@@ -112,7 +112,7 @@ class Dispatcher:
                       deadline: float) -> AsyncIterator[Token | Done]:
         finished = False
         try:
-            yield Token(first.token, 0, first.cached_tokens)
+            yield Token(first.token, 0, first.cached_tokens, first.logprob, first.prompt_logprobs)
             events = self.decode_clients[decode.address].generate(job, reservation, first, self._remaining(deadline))
             async with aclosing(events):
                 async for event in events:

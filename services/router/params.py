@@ -10,15 +10,22 @@ and/or token ids), ``stop_token_ids`` and ``ignore_eos`` (vLLM extensions), ``st
 ``stream_options`` (``include_usage``; ``continuous_usage_stats``, vLLM's: every chunk carries the
 usage so far), ``return_token_ids`` (vLLM extension), ``user``
 (accepted and ignored: it never changes the output).
-``/v1/completions``: ``prompt`` (a string, a list of token ids, or a one-element list of either).
+Sampling: ``n`` (1-16 samples of each prompt; sample j of a seeded request uses ``seed + j``),
+``min_tokens``, ``presence_penalty`` / ``frequency_penalty`` (-2..2, over the generated tokens,
+as OpenAI), ``repetition_penalty`` (> 0, over prompt and generated tokens, as vLLM),
+``logit_bias`` (token id -> -100..100), ``include_stop_str_in_output`` and
+``skip_special_tokens`` (vLLM extensions).
+``/v1/completions``: ``prompt`` (a string, a list of token ids, or a list of up to 64 of either;
+each prompt runs ``n`` times, choices are numbered prompt-major), ``logprobs`` (0-20: the
+sampled token's logprob plus the top N), ``echo`` (the prompt is prepended to the text; with
+``logprobs`` its tokens carry their prompt logprobs, the first one ``null``).
 ``/v1/chat/completions``: ``messages`` (roles system, developer, user, assistant; content a
-string or a list of ``{"type": "text", "text": ...}`` parts) and ``max_completion_tokens``
-(same as ``max_tokens``).
+string or a list of ``{"type": "text", "text": ...}`` parts), ``max_completion_tokens``
+(same as ``max_tokens``), ``logprobs`` (bool) and ``top_logprobs`` (0-20).
 
-Parameters accepted only at their neutral value (anything else is a 400 naming them): ``n``
-(1), ``best_of`` (1), ``echo`` (false), ``logprobs`` (null; chat: false), ``top_logprobs``
-(null), ``presence_penalty`` / ``frequency_penalty`` (0), ``repetition_penalty`` (1),
-``logit_bias`` (empty), ``suffix`` (null), ``tools`` (empty), ``tool_choice`` ("none"),
+Logprobs are the model's raw log-softmax (before temperature, penalties and bias), as vLLM's
+default. Parameters accepted only at their neutral value (anything else is a 400 naming them):
+``best_of`` (1), ``suffix`` (null), ``tools`` (empty), ``tool_choice`` ("none"),
 ``response_format`` (``{"type": "text"}``). Any other field is a 400 "unsupported parameter".
 
 Chat template: messages (text parts joined into one string) go through the checkpoint's chat
@@ -37,6 +44,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine.model.sampler import MAX_LOGPROBS
 from services.protos import common_pb2
 from services.router.backend import Job
 from services.router.completion import CompletionRequest
@@ -85,11 +93,18 @@ class ModelContext:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    completion: CompletionRequest
+    completions: tuple[CompletionRequest, ...]  # one per choice, in choice order (prompt i, sample j: i·n + j)
     stream: bool
     include_usage: bool
     return_token_ids: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    logprobs: int | None = None  # None: no logprobs; N: each token's and the top N (chat: top_logprobs)
+    echo: bool = False  # completions: the prompt's text (and, with logprobs, its logprobs) first
+    num_prompts: int = 1
+
+    @property
+    def completion(self) -> CompletionRequest:
+        return self.completions[0]
 
 
 # ---- JSON and typed getters --------------------------------------------------------------
@@ -196,30 +211,23 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 # ---- parameter table -----------------------------------------------------------------------
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-           "stream", "stream_options", "return_token_ids", "user"}
-_COMPLETION = _COMMON | {"prompt"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens"}
+           "stream", "stream_options", "return_token_ids", "user", "n", "min_tokens", "presence_penalty",
+           "frequency_penalty", "repetition_penalty", "logit_bias", "include_stop_str_in_output",
+           "skip_special_tokens", "logprobs"}
+_COMPLETION = _COMMON | {"prompt", "echo"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+MAX_N = 16  # choices per request (n × prompts): each is its own generation, with its own rows
+MAX_PROMPTS = 64  # prompts in one completions request
 
 
 # name -> (predicate for the neutral value, how to say it)
-_NEUTRAL_COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: _is_int(v) and v == 1, "1 (one choice per request)"),
-    "presence_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 0, "0"),
-    "frequency_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 0, "0"),
-    "repetition_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1, "1"),
-    "logit_bias": (lambda v: v == {}, "empty"),
-}
-_NEUTRAL_COMPLETION = {**_NEUTRAL_COMMON,
-                       "best_of": (lambda v: _is_int(v) and v == 1, "1"),
-                       "echo": (lambda v: v is False, "false"),
-                       "logprobs": (lambda v: False, "null"),
-                       "suffix": (lambda v: False, "null")}
-_NEUTRAL_CHAT = {**_NEUTRAL_COMMON,
-                 "logprobs": (lambda v: v is False, "false"),
-                 "top_logprobs": (lambda v: False, "null"),
-                 "tools": (lambda v: v == [], "empty"),
-                 "tool_choice": (lambda v: v == "none", '"none"'),
-                 "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}')}
+_NEUTRAL_COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "best_of": (lambda v: _is_int(v) and v == 1, "1 (use n for several samples)"),
+    "suffix": (lambda v: False, "null")}
+_NEUTRAL_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (lambda v: v == [], "empty"),
+    "tool_choice": (lambda v: v == "none", '"none"'),
+    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}')}
 
 
 def _check_fields(body: dict, accepted: set[str], neutral: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
@@ -256,23 +264,28 @@ def token_ids(v: list, param: str, vocab_size: int) -> list[int]:
     return list(v)
 
 
-def _prompt_ids(body: dict, ctx: ModelContext) -> list[int]:
+def _one_prompt(p: Any, param: str, ctx: ModelContext) -> list[int]:
+    if isinstance(p, str):
+        ids = encode_text(ctx, p, param)
+    elif isinstance(p, list):
+        ids = token_ids(p, param, ctx.vocab_size)
+    else:
+        raise invalid(param, f"must be a string or a list of token ids, got {_kind(p)}", "invalid_type")
+    if not ids:
+        raise invalid(param, "must not be empty")
+    return ids
+
+
+def _prompt_ids(body: dict, ctx: ModelContext) -> list[list[int]]:
+    """The prompts of a completions request: a string, a list of token ids, or a list of either."""
     if "prompt" not in body or body["prompt"] is None:
         raise invalid("prompt", "is required", "missing_required_parameter")
     p = body["prompt"]
     if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        if len(p) != 1:
-            raise invalid("prompt", f"one prompt per request is supported, got {len(p)}", "unsupported_value")
-        p = p[0]
-    if isinstance(p, str):
-        ids = encode_text(ctx, p, "prompt")
-    elif isinstance(p, list):
-        ids = token_ids(p, "prompt", ctx.vocab_size)
-    else:
-        raise invalid("prompt", f"must be a string or a list of token ids, got {_kind(p)}", "invalid_type")
-    if not ids:
-        raise invalid("prompt", "must not be empty")
-    return ids
+        if len(p) > MAX_PROMPTS:
+            raise invalid("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(p)}")
+        return [_one_prompt(x, f"prompt[{i}]", ctx) for i, x in enumerate(p)]
+    return [_one_prompt(p, "prompt", ctx)]
 
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -373,6 +386,39 @@ def _max_tokens(body: dict, ctx: ModelContext, chat: bool) -> int:
     return given[0][1] if given else ctx.default_max_tokens
 
 
+def _logit_bias(body: dict, ctx: ModelContext) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: {token id (a JSON key, so a string): bias in [-100, 100]}."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise invalid("logit_bias", f"must be an object of token id -> bias, got {_kind(v)}", "invalid_type")
+    out = {}
+    for key, bias in v.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise invalid("logit_bias", f"keys must be token ids, got {json.dumps(key)}", "invalid_type") from None
+        token_ids([tok], "logit_bias", ctx.vocab_size)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise invalid("logit_bias", f"biases must be numbers in [-100, 100], got {json.dumps(bias)} for {tok}")
+        out[tok] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Top-N alternatives per token, or None for no logprobs. Completions: ``logprobs`` (an
+    integer N); chat: ``logprobs`` (a boolean) with ``top_logprobs`` (N, default 0)."""
+    if not chat:
+        return _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if not _bool(body, "logprobs"):
+        if top is not None:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        return None
+    return top or 0
+
+
 def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
     """A validated request for /v1/chat/completions (``chat``) or /v1/completions."""
     _check_fields(body, _CHAT if chat else _COMPLETION, _NEUTRAL_CHAT if chat else _NEUTRAL_COMPLETION)
@@ -380,9 +426,13 @@ def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
     if chat:
         if "messages" not in body:
             raise invalid("messages", "is required", "missing_required_parameter")
-        prompt_ids = chat_prompt_ids(body["messages"], ctx)
+        prompts = [chat_prompt_ids(body["messages"], ctx)]
+        texts: list[str | None] = [None]
     else:
-        prompt_ids = _prompt_ids(body, ctx)
+        prompts = _prompt_ids(body, ctx)
+        raw = body["prompt"] if isinstance(body["prompt"], list) and isinstance(body["prompt"][0], (str, list)) \
+            else [body["prompt"]]
+        texts = [x if isinstance(x, str) else None for x in raw]  # for echo: the prompt as it was sent
     max_tokens = _max_tokens(body, ctx, chat)
     defaults = dict(ctx.sampling_defaults)
     temperature = _float(body, "temperature", defaults.get("temperature", 1.0))
@@ -395,6 +445,24 @@ def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
     seed = _int(body, "seed", None, lo=0, hi=MAX_SEED)
     stop, stop_ids = _stops(body, ctx)
     ignore_eos = _bool(body, "ignore_eos")
+    n = _int(body, "n", 1, lo=1, hi=MAX_N)
+    if n * len(prompts) > MAX_N * 4:
+        raise invalid("n", f"n ({n}) times the number of prompts ({len(prompts)}) may be at most {MAX_N * 4}")
+    min_tokens = _int(body, "min_tokens", 0, lo=0)
+    if min_tokens > max_tokens:
+        raise invalid("min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}")
+    penalties = {}
+    for name, lo, hi, neutral in (("presence_penalty", -2, 2, 0.0), ("frequency_penalty", -2, 2, 0.0),
+                                  ("repetition_penalty", 0, 2, 1.0)):
+        penalties[name] = _float(body, name, neutral)
+        if not lo <= penalties[name] <= hi or (name == "repetition_penalty" and penalties[name] == 0):
+            raise invalid(name, f"must be in {'(' if name == 'repetition_penalty' else '['}{lo}, {hi}], "
+                                f"got {penalties[name]:g}")
+    logit_bias = _logit_bias(body, ctx)
+    logprobs = _logprobs(body, chat)
+    echo = False if chat else _bool(body, "echo")
+    include_stop = _bool(body, "include_stop_str_in_output")
+    skip_special = _bool(body, "skip_special_tokens", True)
     stream = _bool(body, "stream")
     include_usage = continuous_usage = False
     opts = body.get("stream_options")
@@ -412,16 +480,30 @@ def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
     if user is not None and not isinstance(user, str):
         raise invalid("user", f"must be a string, got {_kind(user)}", "invalid_type")
 
-    check_length(len(prompt_ids), max_tokens, ctx, "messages" if chat else "prompt", "max_tokens")
+    for i, ids in enumerate(prompts):
+        where = "messages" if chat else ("prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        check_length(len(ids), max_tokens, ctx, where, "max_tokens")
 
-    sampling = common_pb2.Sampling(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                   top_k=min(max(top_k, 0), ctx.vocab_size), stop_token_ids=stop_ids,
-                                   ignore_eos=ignore_eos)
-    if seed is not None:
-        sampling.seed = seed
-    job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", tuple(prompt_ids), sampling)
-    return ParsedRequest(CompletionRequest(job, stop, stop_token_set(sampling, ctx.eos_token_ids)), stream,
-                         include_usage, return_token_ids, continuous_usage)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    choices = []
+    for i, ids in enumerate(prompts):
+        for j in range(n):
+            sampling = common_pb2.Sampling(
+                max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                top_k=min(max(top_k, 0), ctx.vocab_size), stop_token_ids=stop_ids, ignore_eos=ignore_eos,
+                min_tokens=min_tokens, logit_bias=dict(logit_bias), **penalties)
+            if seed is not None:
+                sampling.seed = (seed + j) % (MAX_SEED + 1)  # sample j of a prompt: seed + j
+            if logprobs is not None:
+                sampling.logprobs = logprobs
+                if echo:
+                    sampling.prompt_logprobs = logprobs
+            index = i * n + j
+            job = Job(request_id if index == 0 else f"{request_id}-{index}", tuple(ids), sampling)
+            choices.append(CompletionRequest(job, stop, stop_token_set(sampling, ctx.eos_token_ids), index, i,
+                                             include_stop, skip_special, texts[i]))
+    return ParsedRequest(tuple(choices), stream, include_usage, return_token_ids, continuous_usage,
+                         logprobs, echo, len(prompts))
 
 
 def parse_tokenize(body: dict, ctx: ModelContext) -> list[int]:
