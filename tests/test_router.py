@@ -542,6 +542,65 @@ def test_bad_requests_are_4xx_naming_the_field_and_the_router_keeps_serving(star
     assert f'cpserve_router_requests_total{{status="invalid"}} {len(BAD_COMPLETIONS) + len(BAD_CHAT) + 5}.0' in metrics
 
 
+# Fields that never change the output (accepted, logged once) and output-changing ones we do not
+# implement (refused unless neutral): one example value each, so both lists stay covered.
+IGNORED_EXAMPLES = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                    "parallel_tool_calls": False, "prompt_cache_key": "k", "safety_identifier": "s"}
+UNSUPPORTED_EXAMPLES = {"best_of": 2, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+                        "functions": [{"name": "f"}], "function_call": "auto", "response_format": {"type": "json_object"},
+                        "modalities": ["text", "audio"], "min_p": 0.1, "use_beam_search": True, "echo": True,
+                        "add_generation_prompt": False, "add_special_tokens": False}
+
+
+def test_fields_that_never_change_the_output_are_accepted_and_logged_once(start_router, caplog, monkeypatch):
+    from services.router import params
+
+    assert set(IGNORED_EXAMPLES) | {"stream_options.include_obfuscation"} == params.IGNORED
+    monkeypatch.setattr(params, "_logged", set())
+    h = start_router()
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    with caplog.at_level("INFO", logger="cpserve.router"):
+        for _ in range(2):
+            for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 4}), ("/v1/chat/completions", chat)):
+                r = post(h, path, {**body, **IGNORED_EXAMPLES, "stream": True,
+                                   "stream_options": {"include_obfuscation": False}})
+                assert r.status_code == 200, r.text
+                choices = [e["choices"][0] for e in sse_events(r)[:-1]]
+                assert "".join(c["text"] if "text" in c else c["delta"].get("content", "") for c in choices) == TEXT[:4]
+    logged = [m for m in caplog.messages if "accepted and ignored" in m]
+    assert sorted(m.split()[2] for m in logged) == sorted(params.IGNORED)  # each name once, not per request
+    # still type-checked: a wrong type is a 400 naming the field
+    for name, bad in (("user", 7), ("metadata", {"k": 1}), ("store", "yes")):
+        err = post(h, "/v1/completions", {"prompt": "x", name: bad}).json()["error"]
+        assert err["param"] == name, err
+
+
+def test_fields_that_would_change_the_output_are_refused_unless_neutral(start_router):
+    from services.router import params
+
+    assert set(UNSUPPORTED_EXAMPLES) == set(params.UNSUPPORTED)
+    h = start_router()
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for name, value in UNSUPPORTED_EXAMPLES.items():
+        path, base = ("/tokenize", {"prompt": "x"}) if name.startswith("add_") else ("/v1/chat/completions", chat)
+        err = post(h, path, {**base, name: value})
+        assert err.status_code == 400 and err.json()["error"]["param"] == name, (name, err.text)
+        assert err.json()["error"]["code"] == "unsupported_value"
+        for neutral in (None, *params.UNSUPPORTED[name]):  # the neutral values (and null) change nothing
+            ok = post(h, path, {**base, name: neutral})
+            assert ok.status_code == 200, (name, neutral, ok.text)
+    # booleans are not integers: best_of: true is not best_of: 1
+    assert post(h, "/v1/completions", {"prompt": "x", "best_of": True}).json()["error"]["param"] == "best_of"
+    # anything else is refused by name: features we lack, vLLM extensions, typos, unknown stream options
+    for body, param in (({"suffix": "!"}, "suffix"), ({"guided_json": {}}, "guided_json"), ({"guided_regex": "a"},
+                        "guided_regex"), ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"max_token": 5}, "max_token"),
+                        ({"stream": True, "stream_options": {"include_usage": True, "chunked": True}},
+                         "stream_options.chunked"),
+                        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage")):
+        err = post(h, "/v1/completions", {"prompt": "x", **body}).json()["error"]
+        assert err["param"] == param and param in err["message"], (body, err)
+
+
 def test_api_key(start_router):
     h = start_router(api_key="s3cret")
     body = {"prompt": "x", "max_tokens": 2}

@@ -1,56 +1,48 @@
-"""OpenAI request bodies → a validated :class:`CompletionRequest`; every rejection names its field.
+"""OpenAI request bodies → a validated :class:`ParsedRequest`; every rejection names its field.
 
-Accepted parameters
--------------------
-Both endpoints: ``model`` (optional; must be the served model), ``max_tokens`` (default
-``default_max_tokens``, 16), ``temperature`` (default 1.0, as OpenAI; 0 = greedy), ``top_p``,
-``top_k`` (vLLM extension; -1 or 0 disable) — the three defaults come from the checkpoint's
-generation_config.json where it sets them, ``seed``, ``stop`` (a string, or a list of strings
-and/or token ids), ``stop_token_ids`` and ``ignore_eos`` (vLLM extensions), ``stream``,
-``stream_options`` (``include_usage``; ``continuous_usage_stats``, vLLM's: every chunk carries the
-usage so far), ``return_token_ids`` (vLLM extension), ``user``
-(accepted and ignored: it never changes the output).
-Sampling: ``n`` (1-16 samples of each prompt; sample j of a seeded request uses ``seed + j``),
-``min_tokens``, ``presence_penalty`` / ``frequency_penalty`` (-2..2, over the generated tokens,
-as OpenAI), ``repetition_penalty`` (> 0, over prompt and generated tokens, as vLLM),
-``logit_bias`` (token id -> -100..100), ``include_stop_str_in_output`` and
-``skip_special_tokens`` (vLLM extensions).
-``/v1/completions``: ``prompt`` (a string, a list of token ids, or a list of up to 64 of either;
-each prompt runs ``n`` times, choices are numbered prompt-major), ``logprobs`` (0-20: the
-sampled token's logprob plus the top N), ``echo`` (the prompt is prepended to the text; with
-``logprobs`` its tokens carry their prompt logprobs, the first one ``null``).
-``/v1/chat/completions``: ``messages`` (roles system, developer, user, assistant; content a
-string or a list of ``{"type": "text", "text": ...}`` parts), ``max_completion_tokens``
-(same as ``max_tokens``), ``logprobs`` (bool) and ``top_logprobs`` (0-20).
+Three layers: (1) :func:`parse_json`, the raw body: malformed JSON, nesting deeper than 64
+levels, text that is not valid Unicode (a lone surrogate, named by its path:
+``messages[0].content``); (2) one pydantic model per body (:class:`CompletionBody`,
+:class:`ChatBody`, :class:`TokenizeBody`, :class:`DetokenizeBody`; shared sampling fields in
+:class:`SamplingBody`): strict types (a boolean is not an integer, ``"5"`` not a number),
+ranges, shapes; ``null`` counts as absent; an error's ``param`` is the field's path
+(:func:`param_of`); (3) small checks that need the served model (:class:`ModelContext`): its
+name (404), token ids inside the vocabulary, prompt plus ``max_tokens`` within the limit, the
+tokenizer and chat template.
 
-Logprobs are the model's raw log-softmax (before temperature, penalties and bias), as vLLM's
-default. Parameters accepted only at their neutral value (anything else is a 400 naming them):
-``best_of`` (1), ``suffix`` (null), ``tools`` (empty), ``tool_choice`` ("none"),
-``response_format`` (``{"type": "text"}``). Any other field is a 400 "unsupported parameter".
-
-Chat template: messages (text parts joined into one string) go through the checkpoint's chat
-template (``tokenizer_config.json`` / ``chat_template.jinja``, or ``--chat-template FILE``) with
-the generation prompt added, as transformers' ``apply_chat_template``; a model without one
-answers chat with a 400 that says so. A model without a tokenizer answers text prompts and chat
-with a 400; token-id prompts still work.
+Fields outside the models: :class:`_Ignored`'s never change the output (``user``,
+``metadata``, ``store``, ``service_tier``, …, ``stream_options.include_obfuscation``): checked,
+accepted and logged once per name. :data:`UNSUPPORTED`'s would change it and are not
+implemented: accepted only at their neutral value (``best_of: 1``, ``tool_choice: "none"``, …,
+or null), else a 400 naming them. Any other field (``suffix``, ``guided_json``, a typo such as
+``max_token``) is a 400 naming it, as OpenAI answers: a field we do not know may change the output.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import logging
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal, Union
+
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError,
+                      model_validator)
 
 from engine.model.sampler import MAX_LOGPROBS
 from services.protos import common_pb2
 from services.router.backend import Job
 from services.router.completion import CompletionRequest
 
+logger = logging.getLogger("cpserve.router")
+
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # samples per prompt: each is its own generation, with its own rows
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = MAX_N * 4  # n × prompts
+ROLES = ("system", "developer", "user", "assistant")
 
 
 class ApiError(Exception):
@@ -107,7 +99,7 @@ class ParsedRequest:
         return self.completions[0]
 
 
-# ---- JSON and typed getters --------------------------------------------------------------
+# ---- 1. the raw body ------------------------------------------------------------------------
 MAX_JSON_DEPTH = 64  # deeper request bodies are refused before parsing
 _BRACKETS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # strings (skipped) and brackets
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -161,7 +153,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}", None, "invalid_json")
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
     if _SURROGATE_ESCAPE.search(raw):  # only an escape can make a lone surrogate; check the strings
         where = _unencodable(body)
         if where is not None:
@@ -169,126 +161,222 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _kind(v: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
+# ---- 2. the bodies as pydantic models --------------------------------------------------------
+def _tagged(tag_of: Callable[[Any], str | None], what: str, **members: Any) -> Any:
+    """A union whose member ``tag_of(value)`` picks (tags, ``<name>``, never reach a param); a
+    value no member takes is one error: "must be ``what``"."""
+    return Annotated[Union[tuple(Annotated[t, Tag(f"<{name}>")] for name, t in members.items())],
+                     Discriminator(tag_of, custom_error_type="invalid_type", custom_error_message=f"must be {what}")]
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _prompt_tag(v: Any) -> str | None:
+    if isinstance(v, list):
+        return "<batch>" if v and all(isinstance(x, (str, list)) for x in v) else "<ids>"
+    return "<text>" if isinstance(v, str) else None
 
 
-def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise invalid(name, f"must be an integer, got {_kind(v)}", "invalid_type")
-    if lo is not None and v < lo:
-        raise invalid(name, f"must be >= {lo}, got {v}")
-    if hi is not None and v > hi:
-        raise invalid(name, f"must be <= {hi}, got {v}")
-    return v
+def _parts_tag(v: Any) -> str | None:
+    return "<text>" if isinstance(v, str) else "<parts>" if isinstance(v, list) else None
 
 
-def _float(body: dict, name: str, default: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise invalid(name, f"must be a finite number, got {_kind(v)}", "invalid_type")
-    return float(v)
+def _stop_tag(v: Any) -> str | None:
+    return "<text>" if isinstance(v, str) else "<list>" if isinstance(v, list) else None
 
 
-def _bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(name, f"must be a boolean, got {_kind(v)}", "invalid_type")
-    return v
+TokenIds = Annotated[list[int], Field(min_length=1)]
+OnePrompt = _tagged(_prompt_tag, "a string or a list of token ids", text=str, ids=TokenIds)
+Prompt = _tagged(_prompt_tag, "a string, a list of token ids, or a list of strings or token-id lists",
+                 text=str, ids=TokenIds, batch=Annotated[list[OnePrompt], Field(max_length=MAX_PROMPTS)])
+Content = _tagged(_parts_tag, "a string or a list of text parts", text=str, parts=list["TextPart"])
+Stop = _tagged(_stop_tag, "a string or a list of strings and token ids", text=str, list=list[Union[str, int]])
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+LogitBias = dict[Annotated[int, Strict(False)], Annotated[float, Field(ge=-100, le=100)]]  # JSON keys are strings
 
 
-# ---- parameter table -----------------------------------------------------------------------
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-           "stream", "stream_options", "return_token_ids", "user", "n", "min_tokens", "presence_penalty",
-           "frequency_penalty", "repetition_penalty", "logit_bias", "include_stop_str_in_output",
-           "skip_special_tokens", "logprobs"}
-_COMPLETION = _COMMON | {"prompt", "echo"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
-MAX_N = 16  # choices per request (n × prompts): each is its own generation, with its own rows
-MAX_PROMPTS = 64  # prompts in one completions request
+class _Body(BaseModel):
+    """Strict, closed, and ``null`` counts as absent (as OpenAI)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_absent(cls, v: Any) -> Any:
+        return {k: x for k, x in v.items() if x is not None} if isinstance(v, dict) else v
 
 
-# name -> (predicate for the neutral value, how to say it)
-_NEUTRAL_COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "best_of": (lambda v: _is_int(v) and v == 1, "1 (use n for several samples)"),
-    "suffix": (lambda v: False, "null")}
-_NEUTRAL_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (lambda v: v == [], "empty"),
-    "tool_choice": (lambda v: v == "none", '"none"'),
-    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}')}
+class TextPart(_Body):  # the only content part we take (an error in one names the part)
+    type: Literal["text"]
+    text: str
 
 
-def _check_fields(body: dict, accepted: set[str], neutral: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
-    for name in body:
-        if name in accepted:
+class Message(_Body):
+    role: Literal[ROLES]
+    content: Content
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far on every chunk (with include_usage)
+    include_obfuscation: bool | None = None  # ignored: OpenAI's padding field, which we never add
+
+
+# ---- the two lists: accepted and ignored; refused unless neutral ------------------------------
+class _Ignored(_Body):
+    """Fields that never change the output: type-checked, accepted, ignored (logged once)."""
+
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None  # means something only with tools, which are refused
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+IGNORED = frozenset(_Ignored.model_fields) | {"stream_options.include_obfuscation"}
+
+# Output-changing and not implemented: accepted only at one of these values (or null), else a 400.
+UNSUPPORTED: dict[str, tuple] = {
+    "best_of": (1,), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "min_p": (0, 0.0), "use_beam_search": (False,),
+    "echo": (False,),  # echo: on chat (vLLM's)
+    "add_generation_prompt": (True,), "add_special_tokens": (True,)}  # the last two: vLLM's, /tokenize's
+
+
+def _strip_neutral(body: dict, model: type[BaseModel]) -> dict:
+    """``body`` less the UNSUPPORTED fields at a neutral value (a field the model declares is its own)."""
+    out = {}
+    for name, value in body.items():
+        neutral = UNSUPPORTED.get(name) if name not in model.model_fields else None
+        if neutral is not None:
+            if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
+                raise ApiError(400, f"{name}: not supported; only {' or '.join(map(json.dumps, neutral))} is "
+                                    f"accepted, got {json.dumps(value)[:80]}", name, "unsupported_value")
             continue
-        if name in neutral:
-            ok, say = neutral[name]
-            if body[name] is None or ok(body[name]):
-                continue
-            raise ApiError(400, f"{name}: only {say} is supported, got {json.dumps(body[name])}", name,
-                           "unsupported_value")
-        raise ApiError(400, f"{name}: unsupported parameter", name, "unsupported_parameter")
+        out[name] = value
+    return out
 
 
-# ---- the request -----------------------------------------------------------------------------
-def _check_model(body: dict, ctx: ModelContext) -> None:
-    model = body.get("model")
-    if model is None:
-        return
-    if not isinstance(model, str):
-        raise invalid("model", f"must be a string, got {_kind(model)}", "invalid_type")
-    if model != ctx.name:
-        raise ApiError(404, f"model: the model '{model}' does not exist; this server serves '{ctx.name}'", "model",
+_logged: set[str] = set()
+
+
+def _log_ignored(req: BaseModel) -> None:
+    names = set(req.model_fields_set) & IGNORED
+    if getattr(req, "stream_options", None) and req.stream_options.include_obfuscation is not None:
+        names.add("stream_options.include_obfuscation")
+    for name in sorted(names - _logged):
+        _logged.add(name)
+        logger.info("request field %s is accepted and ignored: it does not change the output (logged once)", name)
+
+
+class SamplingBody(_Ignored):
+    """The fields both generation endpoints take."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: Finite | None = Field(None, ge=0)  # temperature/top_p/top_k: None → generation_config.json's
+    top_p: Finite | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: Stop | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    n: int = Field(1, ge=1, le=MAX_N)
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: Finite = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Finite = Field(0.0, ge=-2, le=2)
+    repetition_penalty: Finite = Field(1.0, gt=0, le=2)
+    logit_bias: LogitBias = {}
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionBody(SamplingBody):
+    prompt: Prompt
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class ChatBody(SamplingBody):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TokenizeBody(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+_INDEXED = {"messages", "<batch>", "<parts>"}  # lists whose items are named by index
+_CODES = {"missing": ("missing_required_parameter", "is required"),
+          "extra_forbidden": ("unsupported_parameter", "unsupported parameter")}
+
+
+def param_of(loc: tuple[str | int, ...]) -> str | None:
+    """A pydantic error location as the client wrote the field: ``messages[0].content``,
+    ``prompt[1]``, ``stream_options.include_usage``. Union tags are dropped; a list of scalars
+    (token ids, stop strings), a map (``logit_bias``) and a content part are named whole."""
+    path = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            if i == 0 or loc[i - 1] not in _INDEXED:
+                break
+            path += f"[{part}]"
+            if loc[i - 1] == "<parts>":
+                break
+        elif not part.startswith("<"):
+            if path in ("logit_bias", "metadata"):
+                break
+            path += f".{part}" if path else part
+    return path or None
+
+
+def validate(model: type[_Body], body: dict) -> Any:
+    """``body`` as ``model``, or a 400 naming the first bad field."""
+    try:
+        req = model.model_validate(_strip_neutral(body, model))
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        code, message = _CODES.get(err["type"], (None, None))
+        if code is None:
+            code = "invalid_type" if err["type"].endswith(("_type", "_parsing")) else "invalid_value"
+            message = err["msg"][:1].lower() + err["msg"][1:]
+            if err["type"] == "value_error":
+                message = str(err["ctx"]["error"])
+            if not isinstance(err.get("input"), (dict, list)):
+                message += f", got {json.dumps(err['input'])[:80]}"
+        raise invalid(param_of(err["loc"]), message, code) from None
+    _log_ignored(req)
+    return req
+
+
+# ---- 3. checks that need the model -----------------------------------------------------------
+def _check_model(name: str | None, ctx: ModelContext) -> None:
+    if name is not None and name != ctx.name:
+        raise ApiError(404, f"model: the model '{name}' does not exist; this server serves '{ctx.name}'", "model",
                        "model_not_found")
 
 
-def token_ids(v: list, param: str, vocab_size: int) -> list[int]:
-    for t in v:
-        if not _is_int(t):
-            raise invalid(param, f"token ids must be integers, got {_kind(t)}", "invalid_type")
-        if not 0 <= t < vocab_size:
-            raise invalid(param, f"token id {t} is outside the vocabulary [0, {vocab_size})", "invalid_token_id")
-    return list(v)
-
-
-def _one_prompt(p: Any, param: str, ctx: ModelContext) -> list[int]:
-    if isinstance(p, str):
-        ids = encode_text(ctx, p, param)
-    elif isinstance(p, list):
-        ids = token_ids(p, param, ctx.vocab_size)
-    else:
-        raise invalid(param, f"must be a string or a list of token ids, got {_kind(p)}", "invalid_type")
-    if not ids:
-        raise invalid(param, "must not be empty")
-    return ids
-
-
-def _prompt_ids(body: dict, ctx: ModelContext) -> list[list[int]]:
-    """The prompts of a completions request: a string, a list of token ids, or a list of either."""
-    if "prompt" not in body or body["prompt"] is None:
-        raise invalid("prompt", "is required", "missing_required_parameter")
-    p = body["prompt"]
-    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        if len(p) > MAX_PROMPTS:
-            raise invalid("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(p)}")
-        return [_one_prompt(x, f"prompt[{i}]", ctx) for i, x in enumerate(p)]
-    return [_one_prompt(p, "prompt", ctx)]
-
-
-ROLES = ("system", "developer", "user", "assistant")
+def token_ids(ids: list[int], param: str, vocab_size: int) -> list[int]:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise invalid(param, f"token id {bad} is outside the vocabulary [0, {vocab_size})", "invalid_token_id")
+    return list(ids)
 
 
 def encode_text(ctx: ModelContext, text: str, param: str) -> list[int]:
@@ -301,235 +389,18 @@ def encode_text(ctx: ModelContext, text: str, param: str) -> list[int]:
         raise invalid(param, str(e), "no_tokenizer") from None
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
-    """Validated messages as the chat template takes them: role and content, text parts joined."""
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "must be a non-empty list of messages", "invalid_type")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(where, f"must be an object, got {_kind(m)}", "invalid_type")
-        extra = set(m) - {"role", "content"}
-        if extra:
-            name = sorted(extra)[0]
-            raise ApiError(400, f"{where}.{name}: unsupported parameter", f"{where}.{name}", "unsupported_parameter")
-        role = m.get("role")
-        if role not in ROLES:
-            raise invalid(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                        and set(part) == {"type", "text"}):
-                    raise invalid(f"{where}.content[{j}]", 'only {"type": "text", "text": "..."} parts are supported',
-                                  "unsupported_value")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise invalid(f"{where}.content", f"must be a string or a list of text parts, got {_kind(content)}",
-                          "invalid_type")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def chat_prompt_ids(messages: Any, ctx: ModelContext) -> list[int]:
+def chat_prompt_ids(messages: list[Message], ctx: ModelContext) -> list[int]:
     """The ids of the conversation rendered with the model's chat template."""
     from engine.model.tokenizer import NoChatTemplateError, NoTokenizerError
 
-    msgs = chat_messages(messages)
     try:
-        return ctx.tokenizer.apply_chat_template(msgs)
+        return ctx.tokenizer.apply_chat_template([{"role": m.role, "content": m.text} for m in messages])
     except NoTokenizerError as e:
         raise invalid("messages", str(e), "no_tokenizer") from None
     except NoChatTemplateError as e:
         raise invalid("messages", str(e), "no_chat_template") from None
     except Exception as e:  # the template's own checks (raise_exception), or a template error
         raise invalid("messages", f"the chat template rejected the conversation: {e}", "chat_template_error") from None
-
-
-def _stops(body: dict, ctx: ModelContext) -> tuple[tuple[str, ...], list[int]]:
-    strings: list[str] = []
-    ids: list[int] = []
-    stop = body.get("stop")
-    if stop is not None:
-        items = [stop] if isinstance(stop, str) else stop
-        if not isinstance(items, list):
-            raise invalid("stop", f"must be a string or a list of strings and token ids, got {_kind(stop)}",
-                          "invalid_type")
-        for s in items:
-            if isinstance(s, str):
-                if not s:
-                    raise invalid("stop", "stop strings must not be empty")
-                strings.append(s)
-            elif _is_int(s):
-                ids.extend(token_ids([s], "stop", ctx.vocab_size))
-            else:
-                raise invalid("stop", f"entries must be strings or token ids, got {_kind(s)}", "invalid_type")
-        if len(strings) > MAX_STOP_STRINGS:
-            raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
-    extra = body.get("stop_token_ids")
-    if extra is not None:
-        if not isinstance(extra, list):
-            raise invalid("stop_token_ids", f"must be a list of token ids, got {_kind(extra)}", "invalid_type")
-        ids.extend(token_ids(extra, "stop_token_ids", ctx.vocab_size))
-    return tuple(dict.fromkeys(strings)), list(dict.fromkeys(ids))
-
-
-def _max_tokens(body: dict, ctx: ModelContext, chat: bool) -> int:
-    names = ["max_tokens"] + (["max_completion_tokens"] if chat else [])
-    given = [(n, _int(body, n, None, lo=1)) for n in names]
-    given = [(n, v) for n, v in given if v is not None]
-    if len(given) == 2 and given[0][1] != given[1][1]:
-        raise invalid("max_completion_tokens", f"differs from max_tokens ({given[0][1]} vs {given[1][1]})")
-    return given[0][1] if given else ctx.default_max_tokens
-
-
-def _logit_bias(body: dict, ctx: ModelContext) -> tuple[tuple[int, float], ...]:
-    """``logit_bias``: {token id (a JSON key, so a string): bias in [-100, 100]}."""
-    v = body.get("logit_bias")
-    if v is None:
-        return ()
-    if not isinstance(v, dict):
-        raise invalid("logit_bias", f"must be an object of token id -> bias, got {_kind(v)}", "invalid_type")
-    out = {}
-    for key, bias in v.items():
-        try:
-            tok = int(key)
-        except ValueError:
-            raise invalid("logit_bias", f"keys must be token ids, got {json.dumps(key)}", "invalid_type") from None
-        token_ids([tok], "logit_bias", ctx.vocab_size)
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise invalid("logit_bias", f"biases must be numbers in [-100, 100], got {json.dumps(bias)} for {tok}")
-        out[tok] = float(bias)
-    return tuple(sorted(out.items()))
-
-
-def _logprobs(body: dict, chat: bool) -> int | None:
-    """Top-N alternatives per token, or None for no logprobs. Completions: ``logprobs`` (an
-    integer N); chat: ``logprobs`` (a boolean) with ``top_logprobs`` (N, default 0)."""
-    if not chat:
-        return _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    if not _bool(body, "logprobs"):
-        if top is not None:
-            raise invalid("top_logprobs", "needs logprobs: true")
-        return None
-    return top or 0
-
-
-def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
-    """A validated request for /v1/chat/completions (``chat``) or /v1/completions."""
-    _check_fields(body, _CHAT if chat else _COMPLETION, _NEUTRAL_CHAT if chat else _NEUTRAL_COMPLETION)
-    _check_model(body, ctx)
-    if chat:
-        if "messages" not in body:
-            raise invalid("messages", "is required", "missing_required_parameter")
-        prompts = [chat_prompt_ids(body["messages"], ctx)]
-        texts: list[str | None] = [None]
-    else:
-        prompts = _prompt_ids(body, ctx)
-        raw = body["prompt"] if isinstance(body["prompt"], list) and isinstance(body["prompt"][0], (str, list)) \
-            else [body["prompt"]]
-        texts = [x if isinstance(x, str) else None for x in raw]  # for echo: the prompt as it was sent
-    max_tokens = _max_tokens(body, ctx, chat)
-    defaults = dict(ctx.sampling_defaults)
-    temperature = _float(body, "temperature", defaults.get("temperature", 1.0))
-    if temperature < 0:
-        raise invalid("temperature", f"must be >= 0, got {temperature:g}")
-    top_p = _float(body, "top_p", defaults.get("top_p", 1.0))
-    if not 0 < top_p <= 1:
-        raise invalid("top_p", f"must be in (0, 1], got {top_p:g}")
-    top_k = _int(body, "top_k", int(defaults.get("top_k", 0)), lo=-1)
-    seed = _int(body, "seed", None, lo=0, hi=MAX_SEED)
-    stop, stop_ids = _stops(body, ctx)
-    ignore_eos = _bool(body, "ignore_eos")
-    n = _int(body, "n", 1, lo=1, hi=MAX_N)
-    if n * len(prompts) > MAX_N * 4:
-        raise invalid("n", f"n ({n}) times the number of prompts ({len(prompts)}) may be at most {MAX_N * 4}")
-    min_tokens = _int(body, "min_tokens", 0, lo=0)
-    if min_tokens > max_tokens:
-        raise invalid("min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}")
-    penalties = {}
-    for name, lo, hi, neutral in (("presence_penalty", -2, 2, 0.0), ("frequency_penalty", -2, 2, 0.0),
-                                  ("repetition_penalty", 0, 2, 1.0)):
-        penalties[name] = _float(body, name, neutral)
-        if not lo <= penalties[name] <= hi or (name == "repetition_penalty" and penalties[name] == 0):
-            raise invalid(name, f"must be in {'(' if name == 'repetition_penalty' else '['}{lo}, {hi}], "
-                                f"got {penalties[name]:g}")
-    logit_bias = _logit_bias(body, ctx)
-    logprobs = _logprobs(body, chat)
-    echo = False if chat else _bool(body, "echo")
-    include_stop = _bool(body, "include_stop_str_in_output")
-    skip_special = _bool(body, "skip_special_tokens", True)
-    stream = _bool(body, "stream")
-    include_usage = continuous_usage = False
-    opts = body.get("stream_options")
-    if opts is not None:
-        if not stream:
-            raise invalid("stream_options", "is only allowed with stream: true")
-        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
-            raise invalid("stream_options", 'must be {"include_usage": true|false, "continuous_usage_stats": '
-                                            'true|false}', "invalid_type")
-        include_usage = _bool(opts, "include_usage")
-        # as vLLM: running usage on every chunk, only when usage is asked for at all
-        continuous_usage = include_usage and _bool(opts, "continuous_usage_stats")
-    return_token_ids = _bool(body, "return_token_ids")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise invalid("user", f"must be a string, got {_kind(user)}", "invalid_type")
-
-    for i, ids in enumerate(prompts):
-        where = "messages" if chat else ("prompt" if len(prompts) == 1 else f"prompt[{i}]")
-        check_length(len(ids), max_tokens, ctx, where, "max_tokens")
-
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    choices = []
-    for i, ids in enumerate(prompts):
-        for j in range(n):
-            sampling = common_pb2.Sampling(
-                max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                top_k=min(max(top_k, 0), ctx.vocab_size), stop_token_ids=stop_ids, ignore_eos=ignore_eos,
-                min_tokens=min_tokens, logit_bias=dict(logit_bias), **penalties)
-            if seed is not None:
-                sampling.seed = (seed + j) % (MAX_SEED + 1)  # sample j of a prompt: seed + j
-            if logprobs is not None:
-                sampling.logprobs = logprobs
-                if echo:
-                    sampling.prompt_logprobs = logprobs
-            index = i * n + j
-            job = Job(request_id if index == 0 else f"{request_id}-{index}", tuple(ids), sampling)
-            choices.append(CompletionRequest(job, stop, stop_token_set(sampling, ctx.eos_token_ids), index, i,
-                                             include_stop, skip_special, texts[i]))
-    return ParsedRequest(tuple(choices), stream, include_usage, return_token_ids, continuous_usage,
-                         logprobs, echo, len(prompts))
-
-
-def parse_tokenize(body: dict, ctx: ModelContext) -> list[int]:
-    """``POST /tokenize`` (vLLM's): ``prompt`` (a string) or ``messages`` (through the chat
-    template, generation prompt added) → the ids a completion or chat request would prefill."""
-    _check_fields(body, {"model", "prompt", "messages"},
-                  {"add_generation_prompt": (lambda v: v is True, "true"),
-                   "add_special_tokens": (lambda v: v is True, "true")})
-    _check_model(body, ctx)
-    if ("prompt" in body) == ("messages" in body):
-        raise invalid("prompt", "give exactly one of prompt (a string) and messages", "missing_required_parameter")
-    if "messages" in body:
-        return chat_prompt_ids(body["messages"], ctx)
-    if not isinstance(body["prompt"], str):
-        raise invalid("prompt", f"must be a string, got {_kind(body['prompt'])}", "invalid_type")
-    return encode_text(ctx, body["prompt"], "prompt")
-
-
-def parse_detokenize(body: dict, ctx: ModelContext) -> list[int]:
-    """``POST /detokenize`` (vLLM's): ``tokens`` (token ids) → their ids, checked."""
-    _check_fields(body, {"model", "tokens"}, {})
-    _check_model(body, ctx)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise invalid("tokens", f"must be a list of token ids, got {_kind(tokens)}", "invalid_type")
-    return token_ids(tokens, "tokens", ctx.vocab_size)
 
 
 def check_length(num_prompt: int, max_tokens: int, ctx: ModelContext, prompt_param: str, max_param: str) -> None:
@@ -546,3 +417,121 @@ def check_length(num_prompt: int, max_tokens: int, ctx: ModelContext, prompt_par
 def stop_token_set(sampling: common_pb2.Sampling, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
     """The ids that end a stream, by the rule of common.proto (user ids, plus EOS unless ignored)."""
     return frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(eos_token_ids))
+
+
+# ---- the request -------------------------------------------------------------------------------
+def _prompts(req: CompletionBody | ChatBody, ctx: ModelContext) -> list[tuple[list[int], str, str | None]]:
+    """(ids, param, text as sent for echo) of each prompt."""
+    if isinstance(req, ChatBody):
+        return [(chat_prompt_ids(req.messages, ctx), "messages", None)]
+    batch = _prompt_tag(req.prompt) == "<batch>"
+    out = []
+    for i, p in enumerate(req.prompt if batch else [req.prompt]):
+        param = f"prompt[{i}]" if batch else "prompt"
+        ids = encode_text(ctx, p, param) if isinstance(p, str) else token_ids(p, param, ctx.vocab_size)
+        if not ids:
+            raise invalid(param, "must not be empty")
+        out.append((ids, param, p if isinstance(p, str) else None))
+    return out
+
+
+def _max_tokens(req: CompletionBody | ChatBody, ctx: ModelContext) -> int:
+    alias = getattr(req, "max_completion_tokens", None)
+    if None not in (req.max_tokens, alias) and req.max_tokens != alias:
+        raise invalid("max_completion_tokens", f"differs from max_tokens ({req.max_tokens} vs {alias})")
+    max_tokens = req.max_tokens or alias or ctx.default_max_tokens
+    if req.min_tokens > max_tokens:
+        raise invalid("min_tokens", f"must be <= max_tokens ({max_tokens}), got {req.min_tokens}")
+    return max_tokens
+
+
+def _stops(req: CompletionBody | ChatBody, ctx: ModelContext) -> tuple[tuple[str, ...], list[int]]:
+    """(stop strings, stop token ids): ``stop`` holds both, ``stop_token_ids`` more ids."""
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    strings = [s for s in stop if isinstance(s, str)]
+    if "" in strings or len(strings) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"stop strings must be non-empty, at most {MAX_STOP_STRINGS}")
+    ids = token_ids([s for s in stop if isinstance(s, int)], "stop", ctx.vocab_size)
+    ids += token_ids(req.stop_token_ids, "stop_token_ids", ctx.vocab_size)
+    return tuple(dict.fromkeys(strings)), list(dict.fromkeys(ids))
+
+
+def _logprobs(req: CompletionBody | ChatBody) -> int | None:
+    """Top-N per token, or None: completions' ``logprobs`` N; chat's ``logprobs`` + ``top_logprobs``."""
+    if isinstance(req, CompletionBody):
+        return req.logprobs
+    if not req.logprobs and req.top_logprobs is not None:
+        raise invalid("top_logprobs", "needs logprobs: true")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _sampling(req: CompletionBody | ChatBody, ctx: ModelContext, max_tokens: int, stop_ids: list[int],
+              logprobs: int | None) -> common_pb2.Sampling:
+    defaults = dict(ctx.sampling_defaults)
+    temperature = defaults.get("temperature", 1.0) if req.temperature is None else req.temperature
+    top_p = defaults.get("top_p", 1.0) if req.top_p is None else req.top_p
+    top_k = int(defaults.get("top_k", 0)) if req.top_k is None else req.top_k
+    s = common_pb2.Sampling(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            top_k=min(max(top_k, 0), ctx.vocab_size), stop_token_ids=stop_ids,
+                            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logit_bias=req.logit_bias,
+                            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                            repetition_penalty=req.repetition_penalty)
+    if logprobs is not None:
+        s.logprobs = logprobs
+        if getattr(req, "echo", False):
+            s.prompt_logprobs = logprobs
+    return s
+
+
+def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
+    """A validated request for /v1/chat/completions (``chat``) or /v1/completions."""
+    req = validate(ChatBody if chat else CompletionBody, body)
+    _check_model(req.model, ctx)
+    prompts = _prompts(req, ctx)
+    max_tokens = _max_tokens(req, ctx)
+    if req.n * len(prompts) > MAX_CHOICES:
+        raise invalid("n", f"n ({req.n}) times the number of prompts ({len(prompts)}) may be at most {MAX_CHOICES}")
+    stop_strings, stop_ids = _stops(req, ctx)
+    token_ids(list(req.logit_bias), "logit_bias", ctx.vocab_size)
+    logprobs = _logprobs(req)
+    opts = req.stream_options
+    if opts is not None and not req.stream:
+        raise invalid("stream_options", "is only allowed with stream: true")
+    usage = opts is not None and opts.include_usage
+    for ids, param, _ in prompts:
+        check_length(len(ids), max_tokens, ctx, param, "max_tokens")
+
+    sampling = _sampling(req, ctx, max_tokens, stop_ids, logprobs)
+    stop_set = stop_token_set(sampling, ctx.eos_token_ids)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    choices = []
+    for i, (ids, _, text) in enumerate(prompts):
+        for j in range(req.n):
+            s = common_pb2.Sampling()
+            s.CopyFrom(sampling)
+            if req.seed is not None:
+                s.seed = (req.seed + j) % (MAX_SEED + 1)  # sample j of a prompt: seed + j
+            index = i * req.n + j
+            job = Job(request_id if index == 0 else f"{request_id}-{index}", tuple(ids), s)
+            choices.append(CompletionRequest(job, stop_strings, stop_set, index, i, req.include_stop_str_in_output,
+                                             req.skip_special_tokens, text))
+    # as vLLM: running usage on every chunk only when usage is asked for at all
+    return ParsedRequest(tuple(choices), req.stream, usage, req.return_token_ids,
+                         usage and opts.continuous_usage_stats, logprobs, not chat and req.echo, len(prompts))
+
+
+def parse_tokenize(body: dict, ctx: ModelContext) -> list[int]:
+    """``POST /tokenize`` (vLLM's): ``prompt`` (a string) or ``messages`` (through the chat
+    template, generation prompt added) → the ids a completion or chat request would prefill."""
+    req = validate(TokenizeBody, body)
+    _check_model(req.model, ctx)
+    if (req.prompt is None) == (req.messages is None):
+        raise invalid("prompt", "give exactly one of prompt (a string) and messages", "missing_required_parameter")
+    return chat_prompt_ids(req.messages, ctx) if req.messages else encode_text(ctx, req.prompt, "prompt")
+
+
+def parse_detokenize(body: dict, ctx: ModelContext) -> list[int]:
+    """``POST /detokenize`` (vLLM's): ``tokens`` (token ids) → their ids, checked."""
+    req = validate(DetokenizeBody, body)
+    _check_model(req.model, ctx)
+    return token_ids(req.tokens, "tokens", ctx.vocab_size)
