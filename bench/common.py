@@ -85,3 +85,7 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
             if key.startswith(("Vm", "Rss")):
                 out[key] = int(rest.split()[0]) * 1024
     return out
+
+
+if __name__ == "__main__":  # `python bench/common.py`: the benchmark model's directory (for `cpserve up --model`)
+    print(bench_model_dir())

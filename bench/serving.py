@@ -1,50 +1,64 @@
-"""Serving latency and throughput over HTTP: disaggregated clusters against one reference engine
-behind the same router, and against the same engine offline, measured in one run.
+"""Serving latency and throughput of OpenAI-compatible servers, measured side by side in one run:
+any endpoints (cpserve, vLLM, SGLang, ...), or clusters this script starts against one reference
+engine behind the same router and against the same engine offline.
 
-    python bench/serving.py [--quick] [--json] [--model tiny|bench|DIR] [--clusters 2+2,1+1]
-                            [--concurrency 1,8,32] [--requests N] [--prompt-lengths 64,1024]
-                            [--max-tokens 32] [--ref-threads 1]
+    python bench/serving.py [--quick] [--json] [--base-url URL [--base-url URL2 ...]]
+        [--concurrency 1,8,32 | --request-rate R[,R2...]] [--num-prompts N]
+        [--dataset random|FILE.jsonl] [--input-len N|LO,HI] [--output-len N] [--random-prompt ids|text]
+        [--vocab-size V] [--endpoint completions|chat] [--model NAME] [--api-key KEY]
+        [--slo-ttft MS] [--slo-tpot MS] [--no-ignore-eos] [--seed 0] [--level-timeout S]
+    python bench/serving.py [--model tiny|bench|DIR] [--clusters 2+2,1+1] [--ref-threads 1] ...
 
-Systems (all started by this script at once, all on 127.0.0.1, all reached through a router's
-OpenAI HTTP front by the same load generator in this process):
+Targets. ``--base-url`` (repeatable) names running servers; ``--model`` is then the name sent
+(default: each target's first id of ``GET /v1/models``) and ``--api-key`` goes in every request.
+Without ``--base-url`` the script starts its own, all at once, all on 127.0.0.1, and stops them
+at the end:
 
-- ``cluster P+D`` for each ``--clusters`` shape: ``services.up.start_cluster`` exactly like
-  ``cpserve up --prefill-cp P --decode-dcp D`` — a prefill service (P rank processes), a decode
-  service (D rank processes) and a router, each its own process, threads per rank as ``up``
-  picks them (usable cores ÷ all the ranks of that cluster). Prompt KV moves prefill → decode
-  over the TCP transfer engine.
-- ``reference``: one ``ReferenceEngine`` (``--ref-threads`` torch threads) in a child process of
-  this script, on the services' engine thread (services/common/engine_loop.py), behind the very
-  same router code (``serve_router`` with in-process backends, :class:`LocalBackend`): the
-  router's Reserve is a local object, Prefill adds the request to the engine and waits for its
-  first token, Generate streams the rest of that same sequence. Continuous batching comes from
-  the engine's scheduler (requests join and leave every step; prefill chunks go first, so new
-  arrivals pause the running decodes). No KV moves anywhere.
-- ``offline`` (after the servers have stopped, nothing else running): the same engine in this
-  process with each cluster's threads per rank, no server: each first-level prompt alone
-  (prefill = ``generate`` call → first token; step = (last − first token) / (tokens − 1)), then
-  ``generate`` of the first 8 prompts at once (wall clock, prefill included). Each cluster's
-  TTFT is set against the offline prefill, its TPOT against the offline step, and its
-  throughput at concurrency 8 against the offline ``generate`` of 8.
+- ``cluster P+D`` for each ``--clusters`` shape (default 2+2,1+1; --quick 1+1):
+  ``services.up.start_cluster`` exactly like ``cpserve up --prefill-cp P --decode-dcp D`` — a
+  prefill service (P rank processes), a decode service (D rank processes) and a router, each its
+  own process, threads per rank as ``up`` picks them (usable cores ÷ all the ranks of that
+  cluster). Prompt KV moves prefill → decode over the TCP transfer engine.
+- ``reference``: bench/reference_server.py, one ``ReferenceEngine`` (``--ref-threads``) behind
+  the very same router code in one process, no KV moving anywhere.
 
-The router's TTFT breakdown (``cpserve_router_ttft_stage_seconds``, scraped before and after each
-level) gives each cluster's mean time per stage.
+Here ``--model`` is the checkpoint (``bench``: the benchmark model of bench/common.py).
 
-Load: a fixed, seeded set of prompts (lengths uniform in ``--prompt-lengths``), streaming
-``/v1/completions`` with ``temperature 0``, ``ignore_eos``, ``max_tokens`` and
-``return_token_ids``; ``--requests`` per level (default max(8, 2 x concurrency), at least 32 at
-concurrency 8) taken by N closed-loop asyncio workers (N = concurrency), each request timing its
-first token and the rest. Request i of a level uses prompt i on every system, so every
-completed request is compared token id for token id with the reference's and the offline
-engine's (greedy: they must agree exactly). Levels run in turn on every system (the order
-rotating per level) after one warm-up request per system; a level stops starting new requests
-after ``--level-timeout`` seconds.
+Load (bench/http_load.py says what each figure means). Every level runs on every target in turn
+with the same prompts (request i of a level sends prompt i everywhere), the order of the targets
+rotating per level so that they share the machine's noise (c=1 on A, on B; c=8 on B, on A; ...),
+after one warm-up request per target. Closed loop: ``--concurrency`` workers; open loop:
+``--request-rate`` Poisson arrivals, seeded, the same arrival times on every target.
+``--num-prompts`` per level (default max(8, 2 x concurrency), at least 32 at concurrency 8, or 32
+per rate; --quick max(4, concurrency), or 8 per rate); a level starts no new request after
+``--level-timeout`` s. Requests stream, ``temperature 0``, ``max_tokens`` = the prompt's output
+length, ``ignore_eos`` (``--no-ignore-eos`` for servers that refuse it).
 
-Figures per (system, concurrency): TTFT = request sent → first token chunk received (median,
-p90); TPOT = (last token - first token) / (tokens - 1) per request, median; throughput = output
-tokens of completed requests / (first request sent → last request done).
+Prompts. ``--dataset random``: ``--random-prompt ids`` (the default on /v1/completions) sends
+token ids uniform in [3, V) (V: ``--vocab-size``; the checkpoint's for clusters started here,
+else 259: ids every byte-level tokenizer has), lengths uniform in ``--input-len``; ``text`` (the
+default on /v1/chat/completions) sends random lowercase words, as many as make ``--input-len``
+tokens in the first target's tokenizer (its POST /tokenize), else that many words. A JSONL file:
+one ``{"prompt": ...}`` (text, or token ids on completions) or ``{"messages": [...]}`` per line,
+an optional ``max_tokens`` (default ``--output-len``), cycled when shorter than a level.
 
-What this comparison means here. This machine has 2 CPU cores shared with other work. The
+Figures per target and level: p50/p90/p99 (and mean) of TTFT, TPOT and ITL, request and
+output-token throughput, goodput (completed requests per second that meet ``--slo-ttft`` and
+``--slo-tpot``; an SLO not given constrains nothing), errors; each target over the first one
+(over ``reference`` for clusters started here). For a cpserve target (its /metrics has the
+router's TTFT stage histogram, or /version or its model card names cpserve) also its TTFT
+breakdown: the mean time per stage of ``cpserve_router_ttft_stage_seconds`` over that level (the
+histogram sums and counts read before and after it).
+
+Clusters started here are also checked and compared as issue 15 defined: every completed request
+must give the reference's token ids exactly (greedy), and after the servers stop the same engine
+runs offline in this process with each cluster's threads per rank, no server: each first-level
+prompt alone (prefill = ``generate`` call → first token; step = (last − first token) / (tokens −
+1)), then ``generate`` of the first 8 prompts at once (wall clock, prefill included). Each
+cluster's TTFT is set against the offline prefill, its TPOT against the offline step, and its
+throughput at concurrency 8 against the offline ``generate`` of 8.
+
+What that comparison means here. This machine has 2 CPU cores shared with other work. The
 2 + 2 cluster is 7 processes on them (4 rank processes, prefill/decode/router services); every CP/DCP
 collective needs both ranks of a group on a core at the same moment, the prefill and decode
 groups compete for the same 2 cores, and the KV hand-off and each token's gRPC hop cost CPU that
@@ -56,359 +70,253 @@ cluster to be slower per request. One effect does show even here: under load the
 engine runs new arrivals' prefill chunks before its running decodes, so its TPOT grows with
 concurrency, while the cluster's decode group keeps stepping as the prefill group works (its
 TPOT stays flatter; its TTFT grows instead, the prefill service running one prefill at a time).
-``--ref-threads`` defaults to 1: with other work on the cores a 2-thread torch engine
-spin-waits and ran ~20x slower than with 1 thread here (the cluster's ranks use 1 thread each).
-The reference's router and engine share one Python process (GIL), as a monolithic server's
-would; the load generator (this process) is the same for both systems. Numbers move with
-whatever else runs on the machine; the systems alternate per level to share that noise.
+The load generator (this process) is the same for every target. Numbers move with whatever else
+runs on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import random
-import signal
 import statistics
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 
 from common import base_parser, bench_model_dir, emit_json, print_table, save_plot
+from http_load import (PERCENTILES, DatasetError, Level, Prompt, RequestOptions, Target, file_prompts, probe,
+                       random_ids, random_text, run_level, send, stage_means_ms, summarise, tokens_per_word,
+                       ttft_stage_sums)
 
-from services.router.stages import TTFT_STAGES as STAGES
-
-_READY = "serving reference on "
+BYTE_VOCAB = 259  # ids 0-258: what every byte-level tokenizer has (cpserve's: 3 + b for byte b)
 
 
-# ---- the reference engine as the router's backend ---------------------------------------------
-class LocalBackend:
-    """One ReferenceEngine on an engine thread, seen by the router as one prefill and one decode
-    service (``self.prefill``, ``self.decode``).
+# ---- arguments -----------------------------------------------------------------------------------
+def parse_args() -> argparse.Namespace:
+    p = base_parser(__doc__)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--base-url", action="append", default=[], metavar="URL",
+                   help="a running OpenAI-compatible server (repeatable: measured side by side); "
+                        "none: start clusters and a reference server here")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", default=None, help="closed-loop levels, comma-separated (default 1,8,32; "
+                                                          "--quick 1,8)")
+    load.add_argument("--request-rate", default=None,
+                      help="open-loop levels: Poisson arrivals per second, comma-separated (needs --base-url)")
+    p.add_argument("--num-prompts", "--requests", type=int, default=None,
+                   help="requests per level (default max(8, 2 x concurrency), at least 32 at concurrency 8, "
+                        "or 32 per rate; --quick max(4, concurrency), or 8 per rate)")
+    p.add_argument("--dataset", default="random", help="random, or a JSONL file (needs --base-url)")
+    p.add_argument("--input-len", "--prompt-lengths", default=None,
+                   help="random prompt tokens: N or LO,HI (default 64,1024; --quick 32,256)")
+    p.add_argument("--output-len", "--max-tokens", type=int, default=None,
+                   help="output tokens per request (default 32; --quick 12)")
+    p.add_argument("--random-prompt", choices=["ids", "text"], default=None,
+                   help="random prompts as token ids (default on completions) or words (default on chat)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help=f"random token ids are below this (default: the checkpoint's, or {BYTE_VOCAB} with --base-url)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--model", default=None,
+                   help="with --base-url: the model name sent (default: each target's first GET /v1/models id); "
+                        "without: the checkpoint (tiny, bench or a directory; default tiny)")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' to every --base-url")
+    p.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="goodput: TTFT at most MS")
+    p.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="goodput: TPOT at most MS")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask for exactly the output length (vLLM's ignore_eos; default on)")
+    p.add_argument("--level-timeout", type=float, default=None,
+                   help="seconds after which a level starts no new requests (default 300; --quick 20)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clusters", default=None,
+                   help="without --base-url: cluster shapes, prefill CP + decode DCP (default 2+2,1+1; --quick 1+1)")
+    p.add_argument("--ref-threads", type=int, default=1,
+                   help="without --base-url: torch threads of the reference server (default 1)")
+    args = p.parse_args()
 
-    The reservation's destination is a :class:`_Request` (a local object: the router passes it
-    through to ``prefill`` without opening it). ``prefill`` adds the sequence to the engine and
-    waits for its first token; the engine thread keeps decoding it and queues every later token
-    (and the final ``Done``) on the request, from where ``generate`` streams them. Engine state is
-    touched on the loop thread only; tokens reach the router's asyncio loop through one
-    ``call_soon_threadsafe`` per step.
-    """
-
-    def __init__(self, model: str, max_cache_tokens: int = 1 << 16, max_queue: int = 256):
-        from engine.reference import ReferenceEngine
-        from services.common.engine_loop import EngineLoop
-
-        engine = ReferenceEngine(model, max_cache_tokens=max_cache_tokens)
-        self.cfg, self.page_size = engine.cfg, engine.scheduler.page_size
-        self._streams: dict[int, _Request] = {}  # loop thread only
-        self._aio: asyncio.AbstractEventLoop | None = None  # the router's loop (set on first reserve)
-        self._ids = iter(range(1 << 62))
-        self.loop = EngineLoop(engine, "reference", max_queue, on_failure=self._failed,
-                               has_work=lambda e: e.has_work, tick=self._step, snapshot=self._snapshot)
-        local_prefill, local_decode = _backend_classes()
-        self.prefill, self.decode = local_prefill(self), local_decode(self)
-
-    # ---- loop thread ------------------------------------------------------------------------
-    def _snapshot(self, engine) -> tuple[int, int]:
-        alloc = engine.allocator
-        return (alloc.num_pages - alloc.num_free) * self.page_size, alloc.num_free * self.page_size
-
-    def _step(self, engine) -> None:
-        from services.router.backend import Done, Token
-
-        out = []
-        for seq, token in engine.step():
-            req = self._streams.get(seq.id)
-            if req is None:
-                continue
-            out.append((req, Token(token, len(seq.output_ids) - 1)))
-            if seq.is_finished:
-                del self._streams[seq.id]
-                out.append((req, Done(seq.finish_reason, len(seq.output_ids))))
-        self._deliver(out)
-
-    def _add(self, engine, req: "_Request", prompt: list[int], params) -> int:
-        import grpc
-
-        from services.router.backend import BackendError
-
-        if req.cancelled:
-            raise BackendError(grpc.StatusCode.CANCELLED, "the request was aborted", "reference")
-        req.seq = engine.add_request(prompt, params)
-        self._streams[req.seq.id] = req
-        return req.seq.seed
-
-    def _cancel(self, engine, req: "_Request") -> None:
-        req.cancelled = True
-        if req.seq is not None:
-            self._streams.pop(req.seq.id, None)
-            if not req.seq.is_finished:
-                engine.abort(req.seq)
-
-    def _failed(self, message: str) -> None:
-        import grpc
-
-        from services.router.backend import BackendError
-
-        streams, self._streams = self._streams, {}
-        err = BackendError(grpc.StatusCode.UNAVAILABLE, message, "reference")
-        self._deliver([(req, err) for req in streams.values()])
-
-    def _deliver(self, items: list) -> None:
-        if not items or self._aio is None:
-            return
-
-        def put_all() -> None:
-            for req, item in items:
-                req.events.put_nowait(item)
-
+    def numbers(flag: str, text: str, kind) -> list:
         try:
-            self._aio.call_soon_threadsafe(put_all)
-        except RuntimeError:  # the router's loop is closed (shutdown)
-            pass
+            values = [kind(x) for x in text.split(",")]
+        except ValueError:
+            p.error(f"{flag}: expected comma-separated numbers, got {text!r}")
+        if any(not v > 0 for v in values):
+            p.error(f"{flag}: every value must be > 0, got {text!r}")
+        return values
 
-    # ---- router side (its asyncio loop) -----------------------------------------------------
-    async def run(self, fn, admit: bool = False):
-        import grpc
-
-        from engine.model.sampler import InvalidRequest
-        from services.common.rpc import QueueFull, ServiceUnavailable
-        from services.router.backend import BackendError
-
-        try:
-            return await asyncio.wrap_future(self.loop.submit(fn, admit))
-        except InvalidRequest as e:
-            raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(e), "reference") from None
-        except QueueFull as e:
-            raise BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), "reference") from None
-        except ServiceUnavailable as e:
-            raise BackendError(grpc.StatusCode.UNAVAILABLE, str(e), "reference") from None
-
-    async def check_health(self, timeout: float) -> bool:
-        return self.loop.failure is None
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.loop.stop)
-
-
-@dataclass(eq=False)
-class _Request:
-    id: str
-    events: asyncio.Queue
-    seq: object = None  # engine.scheduler.Sequence, set on the loop thread by _add
-    cancelled: bool = False  # loop thread only
-
-
-def _backend_classes():
-    """The two adaptors, built lazily so ``--help`` and the load generator don't import torch."""
-    import grpc
-
-    from services.common.convert import sampling_from_proto
-    from services.router.backend import (BackendError, DecodeClient, DecodeLoad, Done, FirstToken, PrefillClient,
-                                         PrefillLoad, Reservation)
-
-    async def next_event(req: _Request, timeout: float):
-        try:
-            item = await asyncio.wait_for(req.events.get(), timeout)
-        except asyncio.TimeoutError:
-            raise BackendError(grpc.StatusCode.DEADLINE_EXCEEDED, "no token within the timeout", "reference") from None
-        if isinstance(item, BackendError):
-            raise item
-        return item
-
-    class LocalPrefill(PrefillClient):
-        address = "reference-prefill"
-
-        def __init__(self, core: LocalBackend):
-            self.core = core
-
-        async def prefill(self, job, destination: _Request, timeout: float) -> FirstToken:
-            params = sampling_from_proto(job.sampling, tuple(self.core.cfg.eos_token_ids))
-            seed = await self.core.run(lambda e: self.core._add(e, destination, list(job.prompt_ids), params),
-                                       admit=True)
-            t0 = time.perf_counter()
-            first = await next_event(destination, timeout)
-            return FirstToken(first.id, seed, prefill_ms=(time.perf_counter() - t0) * 1e3)
-
-        async def status(self, timeout: float) -> PrefillLoad:
-            return PrefillLoad(self.core.loop.queue_depth, self.core.loop.failure is None)
-
-        async def check_health(self, timeout: float) -> bool:
-            return await self.core.check_health(timeout)
-
-        async def close(self) -> None:
-            await self.core.close()
-
-    class LocalDecode(DecodeClient):
-        address = "reference-decode"
-
-        def __init__(self, core: LocalBackend):
-            self.core = core
-
-        async def reserve(self, job, timeout: float) -> Reservation:
-            self.core._aio = asyncio.get_running_loop()
-            req = _Request(f"local-{next(self.core._ids)}", asyncio.Queue())
-            return Reservation(req.id, req)
-
-        async def generate(self, job, reservation: Reservation, first: FirstToken, timeout: float):
-            req: _Request = reservation.destination
-            finished = False
-            try:
-                while True:
-                    item = await next_event(req, timeout)
-                    if isinstance(item, Done):
-                        finished = True
-                        yield item
-                        return
-                    yield item
-            finally:
-                if not finished:
-                    self.core.loop.post(lambda e: self.core._cancel(e, req))
-
-        async def abort(self, reservation: Reservation, timeout: float) -> None:
-            self.core.loop.post(lambda e: self.core._cancel(e, reservation.destination))
-
-        async def status(self, timeout: float) -> DecodeLoad:
-            used, free = self.core.loop.snapshot
-            return DecodeLoad((used,), (free,), self.core.loop.queue_depth, self.core.loop.failure is None)
-
-        async def check_health(self, timeout: float) -> bool:
-            return await self.core.check_health(timeout)
-
-        async def close(self) -> None:
-            await self.core.close()
-
-    return LocalPrefill, LocalDecode
+    check_mode(p, args)
+    args.random_prompt = args.random_prompt or ("text" if args.endpoint == "chat" else "ids")
+    if args.request_rate:
+        args.levels = [Level(rate=r) for r in numbers("--request-rate", args.request_rate, float)]
+    else:
+        default = "1,8" if args.quick else "1,8,32"
+        args.levels = [Level(concurrency=c) for c in numbers("--concurrency", args.concurrency or default, int)]
+    lengths = numbers("--input-len", args.input_len or ("32,256" if args.quick else "64,1024"), int)
+    if len(lengths) not in (1, 2) or lengths[0] > lengths[-1]:
+        p.error(f"--input-len: expected N or LO,HI with LO <= HI, got {args.input_len!r}")
+    args.lengths = (lengths[0], lengths[-1])
+    if args.output_len is None:
+        args.output_len = 12 if args.quick else 32
+    if args.level_timeout is None:
+        args.level_timeout = 20.0 if args.quick else 300.0
+    for flag, value in (("--num-prompts", args.num_prompts), ("--output-len", args.output_len),
+                        ("--vocab-size", args.vocab_size), ("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot),
+                        ("--level-timeout", args.level_timeout), ("--ref-threads", args.ref_threads)):
+        if value is not None and not value > 0:
+            p.error(f"{flag} must be > 0, got {value}")
+    if args.vocab_size is not None and args.vocab_size <= 3:
+        p.error(f"--vocab-size must be > 3 (ids 0-2 are special), got {args.vocab_size}")
+    if not args.base_url:
+        args.model = bench_model_dir() if args.model == "bench" else (args.model or "tiny")
+        args.shapes = parse_shapes(p, args.clusters or ("1+1" if args.quick else "2+2,1+1"))
+    args.parser = p
+    return args
 
 
-def serve_reference(args: argparse.Namespace) -> None:
-    """Child-process mode: the reference engine behind the router until stdin closes or SIGTERM."""
-    import logging
-
-    import torch
-
-    from services.common.config import RouterConfig
-    from services.router.server import serve_router
-
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(args.ref_threads)
-    core = LocalBackend(args.model)
-    config = RouterConfig(prefill=(core.prefill.address,), decode=(core.decode.address,), model=args.model,
-                          host="127.0.0.1", port=0, grpc_port=None)
-    handle = serve_router(config, prefill_clients=[core.prefill], decode_clients=[core.decode])
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    print(f"{_READY}{handle.host}:{handle.http_port}", flush=True)
-    stop.wait()
-    handle.shutdown()
-    core.loop.stop()
+def check_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Options that belong to one mode only are usage errors in the other."""
+    if args.base_url:
+        for flag, given in (("--clusters", args.clusters), ("--ref-threads", args.ref_threads != 1)):
+            if given:
+                p.error(f"{flag} applies only without --base-url (to the servers this script starts)")
+    else:
+        if args.api_key:
+            p.error("--api-key applies only with --base-url (the servers started here take none)")
+        for flag, given in (("--request-rate", args.request_rate), ("--dataset", args.dataset != "random"),
+                            ("--endpoint chat", args.endpoint == "chat"),
+                            ("--random-prompt text", args.random_prompt == "text")):
+            if given:
+                p.error(f"{flag} needs --base-url: the clusters started here are checked token for token against "
+                        "the engine offline, on token-id prompts over /v1/completions at fixed concurrency")
+    if args.endpoint == "chat" and args.random_prompt == "ids":
+        p.error("--random-prompt ids needs --endpoint completions (chat messages are text)")
+    if args.dataset != "random" and not os.path.isfile(args.dataset):
+        p.error(f"--dataset: expected 'random' or a JSONL file, got {args.dataset!r} (no such file)")
 
 
-# ---- the load generator -------------------------------------------------------------------------
-@dataclass
-class Result:
-    index: int
-    prompt_tokens: int
-    ttft_ms: float = float("nan")
-    tpot_ms: float = float("nan")
-    ids: list[int] = field(default_factory=list)
-    end: float = 0.0
-    error: str | None = None
-
-
-async def one_request(client, url: str, model: str, index: int, prompt: list[int], max_tokens: int) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "stream": True}
-    res = Result(index, len(prompt))
-    times: list[float] = []
-    t0 = time.perf_counter()
+def parse_shapes(p: argparse.ArgumentParser, text: str) -> list[tuple[int, int]]:
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = str(chunk["error"].get("message"))[:200]
-                    break
-                new = chunk["choices"][0].get("token_ids") or [] if chunk.get("choices") else []
-                if new:
-                    now = time.perf_counter()
-                    times += [now] * len(new)
-                    res.ids += new
-    except Exception as e:  # a timeout or a dropped connection counts as a failed request
-        res.error = f"{type(e).__name__}: {e}"
-    res.end = time.perf_counter()
-    if times:
-        res.ttft_ms = (times[0] - t0) * 1e3
-        if len(times) > 1:
-            res.tpot_ms = (times[-1] - times[0]) * 1e3 / (len(times) - 1)
-    if res.error is None and len(res.ids) != max_tokens:
-        res.error = f"{len(res.ids)} tokens, expected {max_tokens}"
-    return res
+        shapes = [tuple(int(x) for x in sh.split("+")) for sh in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        p.error(f"--clusters: expected shapes like 2+2,1+1 (prefill CP + decode DCP), got {text!r}")
+    return shapes
 
 
-async def run_level(url: str, model: str, prompts: list[list[int]], n: int, concurrency: int, max_tokens: int,
-                    level_timeout_s: float, bar) -> dict:
+def per_level(args: argparse.Namespace, level: Level) -> int:
+    if args.num_prompts:
+        return args.num_prompts
+    if level.rate:
+        return 8 if args.quick else 32
+    c = level.concurrency
+    return max(4, c) if args.quick else max(8, 2 * c, 32 if c == 8 else 0)
+
+
+# ---- the servers this script starts (without --base-url) -------------------------------------------
+class OwnServers:
+    """Each ``--clusters`` shape as ``cpserve up`` starts it, and bench/reference_server.py, all at
+    once (the reference loads while the clusters' ranks come up); stopped all at once."""
+
+    def __init__(self, args: argparse.Namespace):
+        from services.up import cluster_args, cluster_threads
+
+        self.model, self.ref_threads = args.model, args.ref_threads
+        self.clusters = [f"cluster {cp}+{dcp}" for cp, dcp in args.shapes]
+        self.spaces = {name: cluster_args(["--model", args.model, "--prefill-cp", str(cp), "--decode-dcp", str(dcp),
+                                           "--cp-strategy", "interleave", "--indexer", "copied", "--dcp-comm", "a2a"])
+                       for name, (cp, dcp) in zip(self.clusters, args.shapes)}
+        self.threads = {name: cluster_threads(ns, quiet=True)["prefill"] or 1 for name, ns in self.spaces.items()}
+        self.running: dict[str, list] = {}
+        self.ref = None
+        self.startup_s: dict[str, float] = {}
+        self.shutdown_s = float("nan")
+
+    def start(self) -> list[Target]:
+        from services.up import Child, start_cluster
+
+        t0 = time.perf_counter()
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference_server.py")
+        self.ref = Child("reference", [], quiet=True, command=[
+            sys.executable, script, "--model", self.model, "--threads", str(self.ref_threads), "--stop-on-stdin-eof"])
+        print(f"starting {', '.join(self.clusters)} (router each) and the reference server ...", file=sys.stderr,
+              flush=True)
+        for name in self.clusters:
+            self.running[name] = start_cluster(self.spaces[name], 0, None, quiet=True)
+            self.startup_s[name] = time.perf_counter() - t0
+        self.ref.wait_ready()
+        self.startup_s["reference"] = self.ref.ready_at - t0
+        targets = [Target(name, f"http://{children[-1].address}") for name, children in self.running.items()]
+        return targets + [Target("reference", f"http://{self.ref.address}")]
+
+    def stop(self) -> None:
+        from services.up import stop_cluster
+
+        t0 = time.perf_counter()
+        # Every service shuts down at once (each takes seconds: gRPC grace, rank groups), then wait.
+        every = [child for children in self.running.values() for child in children]
+        for child in every + ([self.ref] if self.ref else []):
+            child.signal_stop()
+        for children in self.running.values():
+            stop_cluster(children)
+        if self.ref:
+            self.ref.stop()
+        self.shutdown_s = time.perf_counter() - t0
+
+
+def random_prompts(args: argparse.Namespace, first: Target, n: int) -> list[Prompt]:
+    if args.random_prompt == "text":
+        return random_text(n, args.lengths, args.output_len, tokens_per_word(first, args.seed), args.seed,
+                           chat=args.endpoint == "chat")
+    if args.vocab_size:
+        vocab = args.vocab_size
+    elif args.base_url:
+        vocab = BYTE_VOCAB
+    else:
+        from engine.model.config import ModelConfig
+
+        vocab = ModelConfig.load(args.model).vocab_size
+    return random_ids(n, args.lengths, args.output_len, vocab, args.seed)
+
+
+def warm_up(target: Target, prompt: Prompt, opts: RequestOptions) -> None:
     import httpx
 
-    results: list[Result] = []
-    indices = iter(range(n))
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(level_timeout_s + 120),
-                                 limits=limits) as client:
-        start = time.perf_counter()
-        stop_at = start + level_timeout_s
+    ids = prompt.token_ids
+    short = Prompt({"prompt": ids[:16]} if ids else prompt.payload, 2)
 
-        async def worker() -> None:
-            for i in indices:  # one shared iterator: each worker takes the next request when free
-                if time.perf_counter() > stop_at:
-                    return
-                results.append(await one_request(client, url, model, i, prompts[i], max_tokens))
-                bar.update(1)
+    async def go():
+        async with httpx.AsyncClient(trust_env=False, timeout=300) as client:
+            return await send(client, target, -1, short, RequestOptions(opts.chat, opts.ignore_eos))
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    ok = [r for r in results if r.error is None]
-    wall = (max(r.end for r in results) - start) if results else float("nan")
-    ttft = sorted(r.ttft_ms for r in ok)
-    tpot = [r.tpot_ms for r in ok if r.tpot_ms == r.tpot_ms]
-    return {
-        "concurrency": concurrency, "requests": n, "completed": len(ok), "failed": len(results) - len(ok),
-        "not_started": n - len(results),
-        "ttft_ms_median": statistics.median(ttft) if ttft else float("nan"),
-        "ttft_ms_p90": percentile(ttft, 90),
-        "tpot_ms_median": statistics.median(tpot) if tpot else float("nan"),
-        "throughput_tok_s": sum(len(r.ids) for r in ok) / wall if ok else 0.0,
-        "wall_s": wall,
-        "errors": sorted({r.error for r in results if r.error})[:3],
-        "_ids": {r.index: r.ids for r in ok},
-    }
+    r = asyncio.run(go())
+    if r.error:
+        raise RuntimeError(f"{target.name}: the warm-up request failed: {r.error}")
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolated percentile of an ascending list."""
-    if not sorted_values:
-        return float("nan")
-    pos = (len(sorted_values) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+def measure(args: argparse.Namespace, targets: list[Target], prompts: list[Prompt], opts: RequestOptions):
+    """Every level on every target (the order rotating per level). Returns {(target, level):
+    figures} and {(target, level): {request index: token ids}}."""
+    from tqdm import tqdm
+
+    stats, ids = {}, {}
+    total = len(targets) * sum(per_level(args, lv) for lv in args.levels)
+    with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
+        for li, level in enumerate(args.levels):
+            k = li % len(targets)
+            for t in targets[k:] + targets[:k]:  # rotate: share the noise
+                bar.set_postfix_str(f"{t.name} {level.label}")
+                n = per_level(args, level)
+                before = ttft_stage_sums(t) if t.is_cpserve else {}
+                results, start = asyncio.run(run_level(t, prompts, n, level, opts, args.level_timeout, args.seed,
+                                                       lambda: bar.update(1)))
+                s = stats[t.name, level] = summarise(results, n, start, args.slo_ttft, args.slo_tpot)
+                if t.is_cpserve:
+                    s["ttft_stages_ms"] = stage_means_ms(before, ttft_stage_sums(t))
+                ids[t.name, level] = {r.index: r.ids for r in results if r.error is None}
+                bar.update(s["not_started"])
+    return stats, ids
 
 
-def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-# ---- the engine offline, and the router's TTFT breakdown ----------------------------------------
+# ---- the engine offline, for the clusters started here -------------------------------------------
 def offline_figures(model: str, threads: int, single: list[list[int]], batch: list[list[int]],
                     max_tokens: int) -> dict:
     """The reference engine in this process with ``threads`` torch threads (the serving ranks'),
@@ -444,143 +352,20 @@ def offline_figures(model: str, threads: int, single: list[list[int]], batch: li
             "batch_throughput_tok_s": sum(len(s.output_ids) for s in seqs) / wall}
 
 
-def router_stages(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the router's TTFT and of each of its TTFT stages, from its /metrics."""
-    import re
-
-    import httpx
-
-    text = httpx.get(f"{url}/metrics", trust_env=False, timeout=30).text
-    out = {}
-    for m in re.finditer(r'^cpserve_router_ttft(?:_stage)?_seconds_(sum|count)(?:\{stage="(\w+)"\})? (\S+)$',
-                         text, re.M):
-        kind, stage, value = m.groups()
-        total, count = out.get(stage or "ttft", (0.0, 0.0))
-        out[stage or "ttft"] = (float(value), count) if kind == "sum" else (total, float(value))
-    return out
-
-
-def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
-    """Mean ms per request of each stage between two router_stages() readings."""
-    out = {}
-    for stage, (total, count) in after.items():
-        t0, c0 = before.get(stage, (0.0, 0.0))
-        out[stage] = (total - t0) / (count - c0) * 1e3 if count > c0 else float("nan")
-    return out
-
-
-# ---- main ---------------------------------------------------------------------------------------
-def main() -> None:
-    p = base_parser(__doc__)
-    p.add_argument("--model", default="tiny",
-                   help="checkpoint directory, an embedded model, or 'bench': the benchmark model of bench/engine.py")
-    p.add_argument("--clusters", default=None,
-                   help="cluster shapes, prefill CP + decode DCP (default 2+2,1+1; --quick 1+1)")
-    p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,8,32; --quick 1,8)")
-    p.add_argument("--requests", type=int, default=None,
-                   help="requests per level (default max(8, 2 x concurrency), at least 32 at concurrency 8; "
-                        "--quick max(4, concurrency))")
-    p.add_argument("--prompt-lengths", default=None, help="min,max prompt tokens (default 64,1024; --quick 32,256)")
-    p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 32; --quick 12)")
-    p.add_argument("--ref-threads", type=int, default=1, help="torch threads of the reference engine (default 1)")
-    p.add_argument("--level-timeout", type=float, default=None,
-                   help="seconds after which a level starts no new requests (default 300; --quick 20)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--serve-reference", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.model == "bench":
-        args.model = bench_model_dir()
-    if args.serve_reference:
-        serve_reference(args)
-        return
-
-    from tqdm import tqdm
-
-    from engine.model.config import ModelConfig
-    from services.up import Child, cluster_args, cluster_threads, start_cluster, stop_cluster
-
-    t_all = time.perf_counter()
-    levels = [int(x) for x in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",")]
-    lo, hi = (int(x) for x in (args.prompt_lengths or ("32,256" if args.quick else "64,1024")).split(","))
-    max_tokens = args.max_tokens or (12 if args.quick else 32)
-    level_timeout = args.level_timeout or (20.0 if args.quick else 300.0)
-    shapes = [tuple(int(x) for x in sh.split("+")) for sh in (args.clusters or ("1+1" if args.quick else "2+2,1+1")).split(",")]
-    clusters = [f"cluster {cp}+{dcp}" for cp, dcp in shapes]
-    systems = clusters + ["reference"]
-
-    def per_level(c: int) -> int:
-        if args.requests:
-            return args.requests
-        return max(4, c) if args.quick else max(8, 2 * c, 32 if c == 8 else 0)
-
-    vocab = ModelConfig.load(args.model).vocab_size
-    prompts = make_prompts(max(per_level(c) for c in levels), lo, hi, vocab, args.seed)
-
-    # Every system starts at once (the reference loads while the clusters' ranks come up).
-    t0 = time.perf_counter()
-    ref = Child("reference", [], quiet=True, command=[
-        sys.executable, os.path.abspath(__file__), "--serve-reference", "--model", args.model,
-        "--ref-threads", str(args.ref_threads)])
-    spaces = {name: cluster_args(["--model", args.model, "--prefill-cp", str(cp), "--decode-dcp", str(dcp),
-                                  "--cp-strategy", "interleave", "--indexer", "copied", "--dcp-comm", "a2a"])
-              for name, (cp, dcp) in zip(clusters, shapes)}
-    threads = {name: cluster_threads(ns, quiet=True)["prefill"] or 1 for name, ns in spaces.items()}
-    running: dict[str, list] = {}
-    try:
-        print(f"starting {', '.join(clusters)} (router each) and the reference server ...", file=sys.stderr, flush=True)
-        startup = {}
-        for name in clusters:
-            running[name] = start_cluster(spaces[name], 0, None, quiet=True)
-            startup[name] = time.perf_counter() - t0
-        ref.wait_ready()
-        startup["reference"] = ref.ready_at - t0
-        urls = {name: f"http://{children[-1].address}" for name, children in running.items()}
-        urls["reference"] = f"http://{ref.address}"
-
-        async def warm_up(url: str) -> None:
-            import httpx
-
-            async with httpx.AsyncClient(trust_env=False, timeout=120) as client:
-                r = await one_request(client, url, args.model, -1, prompts[0][:16], 2)
-            if r.error:
-                raise RuntimeError(f"warm-up request to {url} failed: {r.error}")
-
-        for name in systems:
-            asyncio.run(warm_up(urls[name]))
-
-        stats: dict[tuple[str, int], dict] = {}
-        total = len(systems) * sum(per_level(c) for c in levels)
-        with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
-            for li, c in enumerate(levels):
-                order = systems[li % len(systems):] + systems[:li % len(systems)]  # rotate: share the noise
-                for name in order:
-                    bar.set_postfix_str(f"{name} c={c}")
-                    n = per_level(c)
-                    before = router_stages(urls[name])
-                    stats[name, c] = asyncio.run(run_level(urls[name], args.model, prompts, n, c, max_tokens,
-                                                           level_timeout, bar))
-                    stats[name, c]["ttft_stages_ms"] = stage_means_ms(before, router_stages(urls[name]))
-                    bar.update(n - stats[name, c]["completed"] - stats[name, c]["failed"])  # not started
-    finally:
-        t_stop = time.perf_counter()
-        # Every service shuts down at once (each takes seconds: gRPC grace, rank groups), then wait.
-        every = [child for children in running.values() for child in children]
-        for child in [*every, ref]:
-            child.signal_stop()
-        for children in running.values():
-            stop_cluster(children)
-        ref.stop()
-        shutdown_s = time.perf_counter() - t_stop
-
-    # ---- the engine offline, with each cluster's threads per rank (nothing else running now) ----
-    n1 = stats[systems[0], levels[0]]["requests"]
-    batch_c = 8 if 8 in levels else max(levels)
+def offline_comparison(args: argparse.Namespace, own: OwnServers, stats: dict, ids: dict,
+                       prompts: list[Prompt]) -> dict:
+    """Token ids of every cluster against the reference's and the offline engine's; each
+    cluster's TTFT, TPOT and throughput against the engine offline (issue 15's ratios)."""
+    levels = args.levels
+    first = levels[0]
+    single = [p.token_ids for p in prompts[:stats["reference", first]["requests"]]]
+    batch_c = 8 if any(lv.concurrency == 8 for lv in levels) else max(lv.concurrency for lv in levels)
     offline = {}
-    for t in sorted(set(threads.values())):
+    for t in sorted(set(own.threads.values())):
         print(f"offline engine, {t} thread(s) ...", file=sys.stderr, flush=True)
-        offline[t] = offline_figures(args.model, t, prompts[:n1], prompts[:batch_c], max_tokens)
+        offline[t] = offline_figures(args.model, t, single, [p.token_ids for p in prompts[:batch_c]],
+                                     args.output_len)
 
-    # ---- token ids: the same prompt must give the same ids on every system and offline ----------
     compared, mismatches = 0, []
 
     def compare(what: str, a: dict, b: dict) -> None:
@@ -589,124 +374,199 @@ def main() -> None:
             compared += 1
             if a[i] != b[i]:
                 at = next((k for k, (x, y) in enumerate(zip(a[i], b[i])) if x != y), min(len(a[i]), len(b[i])))
-                mismatches.append(f"{what} request {i} ({len(prompts[i])} prompt tokens): first differs at "
+                mismatches.append(f"{what} request {i} ({len(prompts[i].token_ids)} prompt tokens): first differs at "
                                   f"output {at}")
 
-    for c in levels:
-        for name in clusters:
-            compare(f"{name} vs reference c={c}", stats[name, c]["_ids"], stats["reference", c]["_ids"])
-    for name in clusters:
-        compare(f"{name} c={levels[0]} vs offline", stats[name, levels[0]]["_ids"], offline[threads[name]]["_ids"])
+    for level in levels:
+        for name in own.clusters:
+            compare(f"{name} vs reference {level.label}", ids[name, level], ids["reference", level])
+    for name in own.clusters:
+        compare(f"{name} {first.label} vs offline", ids[name, first], offline[own.threads[name]]["_ids"])
     match = compared > 0 and not mismatches
 
-    # ---- tables -----------------------------------------------------------------------------
-    rows = []
-    for c in levels:
-        for name in systems:
-            s = stats[name, c]
-            rows.append([name, c, s["ttft_ms_median"], s["ttft_ms_p90"], s["tpot_ms_median"], s["throughput_tok_s"],
-                         f"{s['completed']}/{s['requests']}"])
-    ratios = []
-    for c in levels:
-        rf = stats["reference", c]
-        for name in clusters:
-            cl = stats[name, c]
-            ratios.append({"system": name, "concurrency": c,
-                           "ttft_median": ratio(cl["ttft_ms_median"], rf["ttft_ms_median"]),
-                           "ttft_p90": ratio(cl["ttft_ms_p90"], rf["ttft_ms_p90"]),
-                           "tpot_median": ratio(cl["tpot_ms_median"], rf["tpot_ms_median"]),
-                           "throughput": ratio(cl["throughput_tok_s"], rf["throughput_tok_s"])})
-            rows.append([f"{name} / reference", c, ratios[-1]["ttft_median"], ratios[-1]["ttft_p90"],
-                         ratios[-1]["tpot_median"], ratios[-1]["throughput"], ""])
-    print_table(f"serving over HTTP: {', '.join(clusters)} vs the reference engine behind the router "
-                f"({args.ref_threads} thread{'s' if args.ref_threads > 1 else ''}), {args.model}, prompts {lo}-{hi} "
-                f"tokens, {max_tokens} output tokens, {os.cpu_count()} CPUs",
-                ["system", "concurrency", "TTFT ms median", "TTFT ms p90", "TPOT ms median", "output tok/s",
-                 "completed"], rows)
-
-    # each cluster against the engine offline (same threads per rank, same prompts)
+    batch_level = Level(concurrency=batch_c)
     vs_offline, rows = [], []
-    for name in clusters:
-        off, one = offline[threads[name]], stats[name, levels[0]]
+    for name in own.clusters:
+        off, one = offline[own.threads[name]], stats[name, first]
         pre, step = statistics.median(off["prefill_ms"]), statistics.median(off["step_ms"])
-        row = {"system": name, "threads_per_rank": threads[name], "offline_prefill_ms": pre, "offline_step_ms": step,
-               "ttft_ms": one["ttft_ms_median"], "tpot_ms": one["tpot_ms_median"],
-               "ttft_over_offline_prefill": ratio(one["ttft_ms_median"], pre),
-               "ttft_minus_1_15x_prefill_ms": one["ttft_ms_median"] - 1.15 * pre,
-               "tpot_over_offline_step": ratio(one["tpot_ms_median"], step),
+        row = {"system": name, "threads_per_rank": own.threads[name], "offline_prefill_ms": pre,
+               "offline_step_ms": step, "ttft_ms": one["ttft_ms_p50"], "tpot_ms": one["tpot_ms_p50"],
+               "ttft_over_offline_prefill": ratio(one["ttft_ms_p50"], pre),
+               "ttft_minus_1_15x_prefill_ms": one["ttft_ms_p50"] - 1.15 * pre,
+               "tpot_over_offline_step": ratio(one["tpot_ms_p50"], step),
                "offline_batch": off["batch"], "offline_batch_throughput_tok_s": off["batch_throughput_tok_s"]}
-        if (name, batch_c) in stats:
-            row["throughput_at_batch"] = stats[name, batch_c]["throughput_tok_s"]
+        if (name, batch_level) in stats:
+            row["throughput_at_batch"] = stats[name, batch_level]["output_throughput_tok_s"]
             row["throughput_over_offline_generate"] = ratio(row["throughput_at_batch"], off["batch_throughput_tok_s"])
         vs_offline.append(row)
-        rows.append([name, threads[name], pre, row["ttft_ms"], row["ttft_over_offline_prefill"],
+        rows.append([name, own.threads[name], pre, row["ttft_ms"], row["ttft_over_offline_prefill"],
                      row["ttft_minus_1_15x_prefill_ms"], step, row["tpot_ms"], row["tpot_over_offline_step"],
                      off["batch_throughput_tok_s"], row.get("throughput_at_batch", float("nan")),
                      row.get("throughput_over_offline_generate", float("nan"))])
-    print_table(f"each cluster vs the engine offline, concurrency {levels[0]} (TTFT, TPOT) and {batch_c} "
+    print_table(f"each cluster vs the engine offline, {first.label} (TTFT, TPOT medians) and c={batch_c} "
                 f"(throughput vs offline generate of {batch_c} prompts)",
                 ["system", "threads/rank", "offline prefill ms", "TTFT ms", "TTFT / prefill", "TTFT - 1.15 prefill ms",
                  "offline step ms", "TPOT ms", "TPOT / step", f"offline gen({batch_c}) tok/s", "served tok/s",
                  "served / offline"], rows)
-    if len(clusters) > 1:
-        tp = {name: stats[name, levels[0]]["tpot_ms_median"] for name in clusters}
-        print("TPOT at concurrency", levels[0], ": " + ", ".join(f"{n} {v:.2f} ms" for n, v in tp.items()))
-
-    stage_rows = []
-    for name in clusters:
-        for c in levels:
-            st = stats[name, c]["ttft_stages_ms"]
-            stage_rows.append([name, c] + [st.get(k, float("nan")) for k in STAGES + ("ttft",)])
-    print_table("where TTFT goes, mean ms per request (router's cpserve_router_ttft_stage_seconds)",
-                ["system", "concurrency", *STAGES, "TTFT (router)"], stage_rows)
-
-    for (name, c), s in stats.items():
-        if s["failed"] or s["not_started"]:
-            print(f"{name} c={c}: {s['failed']} failed, {s['not_started']} not started (level timeout "
-                  f"{level_timeout:g} s); {'; '.join(s['errors'])}")
+    if len(own.clusters) > 1:
+        print(f"TPOT at {first.label}: " + ", ".join(f"{n} {stats[n, first]['tpot_ms_p50']:.2f} ms"
+                                                     for n in own.clusters))
     print(f"token ids: {'MATCH' if match else 'MISMATCH'} — {compared - len(mismatches)}/{compared} requests "
           f"identical (clusters vs reference, and vs the engine offline)")
     for m in mismatches[:5]:
         print(f"  {m}")
-    print("start-up (started together): " + ", ".join(f"{k} {v:.1f} s" for k, v in startup.items())
-          + f"; shut-down {shutdown_s:.1f} s")
+    print("start-up (started together): " + ", ".join(f"{k} {v:.1f} s" for k, v in own.startup_s.items())
+          + f"; shut-down {own.shutdown_s:.1f} s")
+    return {"ref_threads": own.ref_threads, "startup_s": own.startup_s, "shutdown_s": own.shutdown_s,
+            "vs_offline": vs_offline,
+            "offline": {str(t): {k: v for k, v in o.items() if k != "_ids"} for t, o in offline.items()},
+            "token_ids_match": match, "token_ids_compared": compared, "token_ids_mismatched": len(mismatches)}
 
-    # ---- plot -------------------------------------------------------------------------------
+
+# ---- report ----------------------------------------------------------------------------------------
+FIGURES = [f"{m}_ms_p{q}" for m in ("ttft", "tpot", "itl") for q in PERCENTILES]
+
+
+def report(args: argparse.Namespace, targets: list[Target], stats: dict, baseline: str) -> list[dict]:
+    """The figures table, each target over ``baseline``, and cpserve targets' TTFT breakdown;
+    returns the ratio rows."""
+    latency, load = [], []
+    for level in args.levels:
+        for t in targets:
+            s = stats[t.name, level]
+            latency.append([t.name, level.label, *(s[k] for k in FIGURES)])
+            load.append([t.name, level.label, f"{s['completed']}/{s['requests']}", s["errors"], s["not_started"],
+                         s["request_throughput_req_s"], s["output_throughput_tok_s"], s["goodput_req_s"],
+                         s["mean_prompt_tokens"], s["mean_output_tokens"]])
+    where = f"/v1/{'chat/' if args.endpoint == 'chat' else ''}completions, {describe_dataset(args)}"
+    print_table(f"latency, ms: {where}", ["target", "level", *(f"{m} p{q}" for m in ("TTFT", "TPOT", "ITL")
+                                                                 for q in PERCENTILES)], latency)
+    slo = ", ".join(f"{k} <= {v:g} ms" for k, v in (("TTFT", args.slo_ttft), ("TPOT", args.slo_tpot)) if v) or "no SLO"
+    print_table(f"throughput; goodput: {slo}", ["target", "level", "completed", "errors", "not started", "req/s",
+                                                "output tok/s", "goodput req/s", "prompt tokens", "output tokens"],
+                load)
+
+    ratios = []
+    keys = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99", "output_throughput_tok_s")
+    for level in args.levels:
+        b = stats[baseline, level]
+        for t in targets:
+            if t.name != baseline:
+                s = stats[t.name, level]
+                ratios.append({"target": t.name, "baseline": baseline, "level": level.label,
+                               **{k: ratio(s[k], b[k]) for k in keys}})
+    if ratios:
+        print_table(f"each target / {baseline}", ["target", "level", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99",
+                                                  "out tok/s"],
+                    [[r["target"], r["level"], *(r[k] for k in keys)] for r in ratios])
+
+    cpserve = [t for t in targets if t.is_cpserve]
+    stages = list(dict.fromkeys(k for t in cpserve for lv in args.levels
+                                for k in stats[t.name, lv]["ttft_stages_ms"] if k != "ttft"))
+    if cpserve:
+        print_table("where TTFT goes on cpserve targets, mean ms per request (cpserve_router_ttft_stage_seconds)",
+                    ["target", "level", *stages, "TTFT (router)"],
+                    [[t.name, lv.label, *(stats[t.name, lv]["ttft_stages_ms"].get(k, float("nan"))
+                                          for k in stages + ["ttft"])] for lv in args.levels for t in cpserve])
+    for (name, level), s in stats.items():
+        if s["errors"] or s["not_started"]:
+            print(f"{name} {level.label}: {s['errors']} failed, {s['not_started']} not started (level timeout "
+                  f"{args.level_timeout:g} s); {'; '.join(s['error_messages'])}")
+    return ratios
+
+
+def describe_dataset(args: argparse.Namespace) -> str:
+    if args.dataset != "random":
+        return f"prompts from {args.dataset}"
+    lo, hi = args.lengths
+    return (f"random {'token-id' if args.random_prompt == 'ids' else 'text'} prompts of "
+            f"{lo if lo == hi else f'{lo}-{hi}'} tokens, {args.output_len} output tokens")
+
+
+def plot(args: argparse.Namespace, targets: list[Target], stats: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(12, 3.6))
-    panels = [("ttft_ms_median", "TTFT ms (median)"), ("tpot_ms_median", "TPOT ms (median)"),
-              ("throughput_tok_s", "output tokens/s")]
-    for name, marker in zip(systems, "os^D"):
+    xs = [lv.x for lv in args.levels]
+    fig, ax = plt.subplots(1, 4, figsize=(15, 3.6))
+    panels = [("ttft", "TTFT ms"), ("tpot", "TPOT ms"), ("itl", "ITL ms")]
+    for t, marker in zip(targets, "os^Dv<>"):
         for i, (key, title) in enumerate(panels):
-            ax[i].plot(levels, [stats[name, c][key] for c in levels], marker=marker, label=name)
+            line, = ax[i].plot(xs, [stats[t.name, lv][f"{key}_ms_p50"] for lv in args.levels], marker=marker,
+                               label=f"{t.name} p50")
+            ax[i].plot(xs, [stats[t.name, lv][f"{key}_ms_p99"] for lv in args.levels], marker=marker, ls="--",
+                       color=line.get_color(), label=f"{t.name} p99")
             ax[i].set_title(title)
-            ax[i].set_xlabel("concurrency")
-            ax[i].set_xscale("log", base=2)
-            ax[i].set_xticks(levels, [str(c) for c in levels])
-            ax[i].legend(fontsize=8)
+        ax[3].plot(xs, [stats[t.name, lv]["output_throughput_tok_s"] for lv in args.levels], marker=marker,
+                   label=t.name)
+        ax[3].set_title("output tokens/s")
+    for a in ax:
+        a.set_xlabel("request rate (/s)" if args.levels[0].rate else "concurrency")
+        a.set_xscale("log", base=2)
+        a.set_xticks(xs, [f"{x:g}" for x in xs])
+        a.legend(fontsize=7)
     save_plot(fig, args.out, "serving.png")
-    wall = time.perf_counter() - t_all
-    print(f"wall time: {wall:.1f} s")
-
-    emit_json(args.json, {
-        "model": args.model, "ref_threads": args.ref_threads, "cpus": os.cpu_count(), "max_tokens": max_tokens,
-        "prompt_lengths": [lo, hi], "quick": args.quick, "startup_s": startup, "shutdown_s": shutdown_s,
-        "wall_s": wall,
-        "results": [{"system": name, **{k: v for k, v in stats[name, c].items() if k != "_ids"}}
-                    for c in levels for name in systems],
-        "ratios_over_reference": ratios,
-        "vs_offline": vs_offline,
-        "offline": {str(t): {k: v for k, v in o.items() if k != "_ids"} for t, o in offline.items()},
-        "token_ids_match": match, "token_ids_compared": compared, "token_ids_mismatched": len(mismatches),
-    })
 
 
 def ratio(a: float, b: float) -> float:
     return a / b if b and b == b and a == a else float("nan")
+
+
+def base_targets(args: argparse.Namespace) -> list[Target]:
+    targets = []
+    for url in args.base_url:
+        url = url.rstrip("/").removesuffix("/v1")
+        name = url.split("://", 1)[-1]
+        while name in {t.name for t in targets}:  # the same server twice: still two targets
+            name += "'"
+        targets.append(Target(name, url, api_key=args.api_key))
+    return targets
+
+
+def main() -> None:
+    t_all = time.perf_counter()
+    args = parse_args()
+    n = max(per_level(args, lv) for lv in args.levels)
+    prompts = None
+    if args.dataset != "random":  # checked before any server is touched
+        try:
+            prompts = file_prompts(args.dataset, n, args.output_len, chat=args.endpoint == "chat")
+        except DatasetError as e:
+            args.parser.error(f"--dataset {e}")
+    own = None if args.base_url else OwnServers(args)
+    opts = RequestOptions(chat=args.endpoint == "chat", ignore_eos=args.ignore_eos, exact_length=own is not None)
+    try:
+        targets = own.start() if own else base_targets(args)
+        for t in targets:
+            probe(t, None if own else args.model)
+        prompts = prompts or random_prompts(args, targets[0], n)
+        for t in targets:
+            warm_up(t, prompts[0], opts)
+        stats, ids = measure(args, targets, prompts, opts)
+    except RuntimeError as e:
+        sys.exit(f"bench/serving.py: {e}")
+    finally:
+        if own:
+            own.stop()
+
+    ratios = report(args, targets, stats, "reference" if own else targets[0].name)
+    extra = offline_comparison(args, own, stats, ids, prompts) if own else {}
+    plot(args, targets, stats)
+    wall = time.perf_counter() - t_all
+    print(f"wall time: {wall:.1f} s")
+    emit_json(args.json, {
+        "mode": "own" if own else "base_url", "model": args.model, "endpoint": args.endpoint,
+        "dataset": args.dataset, "random_prompt": args.random_prompt, "input_len": list(args.lengths),
+        "output_len": args.output_len, "levels": [lv.label for lv in args.levels], "quick": args.quick,
+        "cpus": os.cpu_count(), "wall_s": wall,
+        "targets": [{"name": t.name, "url": t.url, "model": t.model, "is_cpserve": t.is_cpserve} for t in targets],
+        "results": [{"target": t.name, "level": lv.label, "concurrency": lv.concurrency, "request_rate": lv.rate,
+                     **stats[t.name, lv]} for lv in args.levels for t in targets],
+        "ratios_over_baseline": ratios,
+        **extra,
+    })
 
 
 if __name__ == "__main__":
