@@ -731,13 +731,18 @@ def test_k8s_advertised_addresses_are_the_pod_ip(base, tmp_path):
     assert w["decode"]["config"].host == SAMPLE_POD_IP, "decode must bind and advertise the pod IP"
 
 
+PROMETHEUS_PEER = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
 def test_network_policy_admits_only_router_to_grpc_and_prefill_to_decode(base, tmp_path):
     """Prefill pods: only the router, on prefill gRPC. Decode pods: the router on decode gRPC,
-    prefill on decode gRPC and on Mooncake's port range (kv_port_range), nothing else."""
+    prefill on decode gRPC and on Mooncake's port range (kv_port_range), nothing else; and
+    Prometheus pods (any namespace) on each engine's metrics port alone."""
     w = _workloads(base, tmp_path)
     pods = {role: x["obj"]["spec"]["template"]["metadata"]["labels"] for role, x in w.items()}
     policies = [o for (k, _, _), o in base.items() if k == "NetworkPolicy"]
     admitted: dict[str, set] = {role: set() for role in pods}  # role → {(source role, lo, hi)}
+    scraped: dict[str, set] = {role: set() for role in pods}  # role → ports Prometheus may reach
     selectors = []
     for policy in policies:
         spec = policy["spec"]
@@ -747,6 +752,10 @@ def test_network_policy_admits_only_router_to_grpc_and_prefill_to_decode(base, t
         for rule in spec["ingress"]:
             assert rule.get("from"), "an ingress rule without `from` admits every source"
             assert rule.get("ports"), "restrict the ports"
+            if rule["from"] == [PROMETHEUS_PEER]:
+                for t in targets:
+                    scraped[t] |= {p["port"] for p in rule["ports"] if "endPort" not in p}
+                continue
             for peer in rule["from"]:
                 assert set(peer) == {"podSelector"}, f"only pod selectors in this namespace: {peer}"
                 selectors.append(peer["podSelector"])
@@ -760,6 +769,8 @@ def test_network_policy_admits_only_router_to_grpc_and_prefill_to_decode(base, t
     p_port, d_port = w["prefill"]["config"].port, w["decode"]["config"].port
     assert admitted == {"router": set(), "prefill": {("router", p_port, p_port)},
                         "decode": {("router", d_port, d_port), ("prefill", d_port, d_port), ("prefill", lo, hi)}}
+    assert scraped == {"router": set(), "prefill": {w["prefill"]["config"].metrics_port},
+                       "decode": {w["decode"]["config"].metrics_port}}
     # Pods that are not cpserve's router/prefill/decode are neither selected nor admitted: try
     # every combination of the label values the selectors mention (plus absent / a stranger's).
     values: dict[str, set] = {}
@@ -775,6 +786,37 @@ def test_network_policy_admits_only_router_to_grpc_and_prefill_to_decode(base, t
         for sel in selectors:
             if _matches(sel, labels):
                 assert name == "cpserve" and component in ROLES, f"a policy selects or admits {labels}"
+
+
+def _metrics_port(role: str, cfg) -> int:
+    """Where a service serves /metrics: the router on its HTTP port, an engine on --metrics-port."""
+    port = cfg.port if role == "router" else cfg.metrics_port
+    assert port, f"{role}: no metrics port (the engines need --metrics-port)"
+    return port
+
+
+def _check_scrape_marks(role: str, marks: dict, cfg) -> None:
+    assert marks.get("prometheus.io/scrape") == "true", f"{role}: not marked for scraping"
+    assert marks.get("prometheus.io/path") == "/metrics", role
+    assert marks.get("prometheus.io/port") == str(_metrics_port(role, cfg)), f"{role}: scrape port"
+    if role != "router":
+        assert cfg.host not in ("127.0.0.1", "localhost", "::1"), f"{role}: /metrics must be reachable from outside"
+
+
+def test_compose_and_k8s_carry_scrape_configuration_for_every_service(compose, base, tmp_path):
+    """Every service is marked for Prometheus (compose: container labels for docker_sd_configs;
+    Kubernetes: pod annotations) on the port its parsed command serves /metrics on, and that
+    port is exposed (compose) or a container port (Kubernetes)."""
+    for role in ROLES:
+        svc = compose["services"][role]
+        cfg = effective_config(parse_command(svc["command"]), CONFIG)
+        _check_scrape_marks(role, svc.get("labels", {}), cfg)
+        if role != "router":
+            assert str(cfg.metrics_port) in svc["expose"], role
+    for role, x in _workloads(base, tmp_path).items():
+        cfg = x["config"]
+        _check_scrape_marks(role, x["obj"]["spec"]["template"]["metadata"].get("annotations", {}), cfg)
+        _container_port(x["container"], _metrics_port(role, cfg))
 
 
 def test_k8s_internal_token_comes_from_a_secret_file(base, tmp_path):
@@ -828,24 +870,53 @@ def test_config_file_loads_for_every_service():
     assert isinstance(router, RouterConfig) and router.prefill and router.decode
 
 
-def _metric_catalogue() -> dict[str, set[str]]:
-    """Every series name the router exports -> its label names."""
-    from prometheus_client.metrics import MetricWrapperBase
+def _series(exposition: str) -> dict[str, set[str]]:
+    """Every series name in a Prometheus text page -> the label names it carries."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    from services.router.metrics import RouterMetrics
-
-    suffixes = {"counter": ("_total", "_created"), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count", "_created"),
-                "summary": ("", "_sum", "_count", "_created")}
     out: dict[str, set[str]] = {}
-    metrics = RouterMetrics()
-    for m in vars(metrics).values():
-        if isinstance(m, MetricWrapperBase):
-            for suffix in suffixes[m._type]:
-                out[m._name + suffix] = set(m._labelnames) | ({"le"} if suffix == "_bucket" else set())
-    # Cross-check the series names against the real exposition (labelled metrics appear once
-    # they have a child: requests has one per outcome from the start).
-    exported = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", metrics.render().decode(), re.M))
-    assert exported and exported <= set(out), sorted(exported - set(out))
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
+    return out
+
+
+def _router_series() -> dict[str, set[str]]:
+    """What a live router exports after a few requests (completions, streamed chat, a bad one),
+    against tests/test_router.py's fake prefill and decode services."""
+    import httpx
+
+    from services.router.server import serve_router
+    from tests.test_router import FakeDecode, FakePrefill
+
+    h = serve_router(RouterConfig(prefill=("p0",), decode=("d0",), model="tiny", health_interval_s=30),
+                     [FakePrefill()], [FakeDecode()])
+    try:
+        with httpx.Client(base_url=h.url, trust_env=False, timeout=30) as http:
+            assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+            assert http.post("/v1/chat/completions", json=chat).status_code == 200
+            assert http.post("/v1/completions", json={"prompt": 5}).status_code == 400
+            return _series(http.get("/metrics").text)
+    finally:
+        h.shutdown()
+
+
+def _service_series() -> dict[str, set[str]]:
+    """What each prefill and decode service exports on its own /metrics (--metrics-port)."""
+    from prometheus_client import generate_latest
+
+    from services.common.service_metrics import ServiceMetrics
+
+    out: dict[str, set[str]] = {}
+    for kind in ("prefill", "decode"):
+        state = {"rows_used": [1, 2], "rows_free": [3, 4], "queue_depth": 0, "serving": 1}
+        if kind == "decode":
+            state["rows_filled"] = [1, 1]
+        m = ServiceMetrics(kind, lambda state=state: state)
+        m.step_seconds.observe(0.01)
+        for name, series in _series(generate_latest(m.registry).decode()).items():
+            out.setdefault(name, set()).update(series)
     return out
 
 
@@ -856,9 +927,24 @@ def _exprs(panels: list[dict]):
             yield p["title"], t["expr"]
 
 
+# Router metrics the dashboard shows under their vLLM-named twin (kept for bench/serving.py and tests).
+DASHBOARD_TWINS = {"cpserve_router_ttft_seconds": "cpserve:time_to_first_token_seconds",
+                   "cpserve_router_e2e_seconds": "cpserve:e2e_request_latency_seconds"}
+
+
+def _family(series: str) -> str:
+    for suffix in ("_bucket", "_sum", "_count", "_created", "_total"):
+        if series.endswith(suffix):
+            return series.removesuffix(suffix)
+    return series
+
+
 def test_grafana_dashboard_queries_exported_metrics():
+    """Every metric and label a panel queries is exported by a live router or by the services'
+    metrics module, and every metric family of either has a panel."""
     dash = json.loads(DASHBOARD.read_text())
-    catalogue = _metric_catalogue()
+    router, services = _router_series(), _service_series()
+    catalogue = {n: router.get(n, set()) | services.get(n, set()) for n in {*router, *services}}
     prometheus_target_labels = {"job", "instance"}
     used = set()
     exprs = list(_exprs(dash["panels"]))
@@ -866,10 +952,10 @@ def test_grafana_dashboard_queries_exported_metrics():
               if isinstance(v.get("query"), dict)]
     assert exprs
     for title, expr in exprs:
-        names = set(re.findall(r"\b(cpserve_[a-z0-9_]+)\b", expr))
+        names = set(re.findall(r"(?<![\w:])(cpserve[_:][a-zA-Z0-9_:]+)", expr))
         assert names, f"{title}: {expr} queries no cpserve metric"
         unknown = names - set(catalogue)
-        assert not unknown, f"{title}: {sorted(unknown)} are not exported by services/router/metrics.py"
+        assert not unknown, f"{title}: {sorted(unknown)} are exported by neither the router nor the services"
         used |= names
         labels = set().union(*(catalogue[n] for n in names)) | prometheus_target_labels
         for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
@@ -878,11 +964,15 @@ def test_grafana_dashboard_queries_exported_metrics():
         for matchers in re.findall(r"\{([^}]*)\}", expr):
             for label in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)", matchers):
                 assert label in labels, f"{title}: label {label!r} is not on {sorted(names)}"
-    # Every router metric has a panel.
-    families = {n.removesuffix(suffix) for n in catalogue
-                for suffix in ("_bucket", "_sum", "_count", "_created", "_total") if n.endswith(suffix)}
-    families |= {n for n in catalogue if not n.endswith(("_bucket", "_sum", "_count", "_created", "_total"))}
-    unused = {f for f in families if not any(u == f or u.startswith(f + "_") for u in used)}
+    # The vLLM names are all there, and every metric family has a panel (or its twin has).
+    vllm = {"time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+            "request_queue_time_seconds", "prompt_tokens", "generation_tokens", "request_success",
+            "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+            "prefix_cache_hits"}
+    assert {f"cpserve:{n}" for n in vllm} <= {_family(n) for n in router}
+    families = {_family(n) for n in catalogue}
+    used_families = {_family(u) for u in used}
+    unused = {f for f in families if f not in used_families and DASHBOARD_TWINS.get(f) not in used_families}
     assert not unused, f"metrics without a panel: {sorted(unused)}"
     # Unique panel ids; every data source is the dashboard's variable.
     ids = [p["id"] for p in dash["panels"]]

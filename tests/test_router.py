@@ -636,6 +636,113 @@ def test_models_health_and_metrics(start_router):
     assert "cpserve_router_ttft_seconds_bucket" in text
 
 
+def scrape(handle) -> dict[str, dict[frozenset, float]]:
+    """Every sample of the router's /metrics: name -> {frozenset(label items): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[frozenset, float]] = {}
+    for family in text_string_to_metric_families(get(handle, "/metrics").text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[frozenset(sample.labels.items())] = sample.value
+    return out
+
+
+VLLM_NAMES = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "prompt_tokens", "generation_tokens", "request_success",
+              "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+              "prefix_cache_hits")
+
+
+class GatedPrefill(FakePrefill):
+    """Queues every prefill until ``gate`` is set, and reports that time as its queue time."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.gate = threading.Event()
+
+    async def prefill(self, job, destination, timeout):
+        t0 = time.perf_counter()
+        while not self.gate.is_set():
+            await asyncio.sleep(0.005)
+        first = await super().prefill(job, destination, timeout)
+        return dataclasses.replace(first, queue_ms=(time.perf_counter() - t0) * 1e3)
+
+
+class RowsDecode(FakeDecode):
+    """Reports the rows its reservations hold (prompt + max_tokens, split over 2 ranks) and frees
+    them when a stream ends; holds every stream after its first token until ``gate`` is set."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.held: dict[str, int] = {}
+        self.gate = threading.Event()
+
+    async def reserve(self, job, timeout):
+        r = await super().reserve(job, timeout)
+        self.held[r.id] = len(job.prompt_ids) + job.sampling.max_new_tokens
+        return r
+
+    async def generate(self, job, reservation, first, timeout):
+        try:
+            async for ev in super().generate(job, reservation, first, timeout):
+                while not self.gate.is_set():
+                    await asyncio.sleep(0.005)
+                yield ev
+        finally:
+            self.held.pop(reservation.id, None)
+
+    async def abort(self, reservation, timeout):
+        self.held.pop(reservation.id, None)
+
+    async def status(self, timeout):
+        used, half = sum(self.held.values()), self.capacity // 2
+        per_rank = (used - used // 2, used // 2)
+        return DecodeLoad(per_rank, tuple(half - u for u in per_rank), 0, rows_total=(half, half))
+
+
+@pytest.mark.timeout(60)
+def test_vllm_metrics_with_model_name_and_gauges_current_when_scraped(start_router):
+    """vLLM's names under cpserve:, labelled with the served model; the running/waiting split and
+    the decode rows as they are at the scrape (the health poll here is every 30 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prefill, decode = GatedPrefill(cached_tokens=2), RowsDecode(capacity=1000)
+    h = start_router(prefills=[prefill], decodes=[decode], served_model_name="served")
+    model = frozenset({("model_name", "served")})
+    body = {"prompt": [5] * 10, "max_tokens": 5, "ignore_eos": True}
+
+    def value(name):
+        return scrape(h)[f"cpserve:{name}"][model]
+
+    with ThreadPoolExecutor(3) as pool:
+        replies = [pool.submit(post, h, "/v1/completions", body) for _ in range(3)]
+        assert wait_for(lambda: value("num_requests_waiting") == 3), scrape(h)  # reserved, held in prefill
+        assert value("num_requests_running") == 0
+        assert value("kv_cache_usage_perc") == pytest.approx(3 * 15 / 1000)
+        prefill.gate.set()
+        assert wait_for(lambda: value("num_requests_running") == 3)  # first token out, held in decode
+        assert value("num_requests_waiting") == 0
+        decode.gate.set()
+        assert [r.result().status_code for r in replies] == [200] * 3
+    s = scrape(h)  # right after the requests: rows free, nothing running
+    assert s["cpserve_decode_cache_rows_used"] == {frozenset({("service", "d0"), ("rank", r)}): 0 for r in "01"}
+    assert [s[f"cpserve:{n}"][model] for n in ("kv_cache_usage_perc", "num_requests_running",
+                                                "num_requests_waiting")] == [0, 0, 0]
+    for name in VLLM_NAMES:  # every name, with the model's name
+        samples = {k: v for n, per in s.items() if n.startswith(f"cpserve:{name}") for k, v in per.items()}
+        assert samples and all(("model_name", "served") in k for k in samples), name
+    counts = {n: s[f"cpserve:{n}_count"][model] for n in VLLM_NAMES[:4]}
+    assert counts == {"time_to_first_token_seconds": 3, "inter_token_latency_seconds": 3 * 4,
+                      "e2e_request_latency_seconds": 3, "request_queue_time_seconds": 3}
+    assert [s[f"cpserve:{n}_total"][model] for n in ("prompt_tokens", "generation_tokens", "prefix_cache_queries",
+                                                     "prefix_cache_hits")] == [30, 15, 30, 6]
+    success = {dict(k)["finished_reason"]: v for k, v in s["cpserve:request_success_total"].items()}
+    assert success == {"stop": 0, "length": 3, "abort": 0}
+    # the queue time: arrival until the prefill engine takes the request (here: all but the tail of TTFT)
+    queue, ttft = s["cpserve:request_queue_time_seconds_sum"][model], s["cpserve:time_to_first_token_seconds_sum"][model]
+    assert 0.5 * ttft < queue < ttft
+
+
 class TimedPrefill(FakePrefill):
     """Takes 80 ms and says where 60 of them went (queue 10, compute 40, hand-off 10)."""
 

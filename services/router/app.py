@@ -414,6 +414,7 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
+        await metrics.refresh()  # the services' rows and queues as they are now, not at the last poll
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,8 +1,10 @@
 """One completion as both fronts see it: token and text deltas, then how it finished.
 
 ``CompletionRunner.run`` wraps the dispatcher's token stream with the text rules of
-textstream.py and records what the client experiences: TTFT, time per output token, end-to-end
-latency, in-flight requests, and the outcome counter. It stops the backend stream itself when a
+textstream.py and records what the client experiences (metrics.py): TTFT and its stages, queue
+time (:data:`QUEUE_STAGES`), every inter-token gap, time per output token, end-to-end latency,
+prompt and generated tokens, prefix-cache lookups, requests waiting (before the first token) and
+running (after it), the outcome and the finish reason. It stops the backend stream itself when a
 stop string ends the text (closing the dispatcher's generator cancels the decode stream).
 """
 
@@ -20,6 +22,10 @@ from services.router.dispatch import Dispatcher
 from services.router.metrics import RouterMetrics
 from services.router.stages import TTFT_STAGES, TtftClock
 from services.router.textstream import TextAssembler
+
+# A request's queue time (vLLM's request_queue_time_seconds) on the disaggregated path: from its
+# arrival until the prefill engine takes it — parsing, the decode reservation, the prefill queue.
+QUEUE_STAGES = ("parse", "reserve", "prefill_queue")
 
 # Outcome label of a request that failed with this code before or while streaming.
 _OUTCOME = {grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded", grpc.StatusCode.UNAVAILABLE: "unavailable",
@@ -67,29 +73,26 @@ class CompletionRunner:
         clock.lap("parse")
         token_times: list[float] = []
         text = TextAssembler(self.tokenizer, req.stop, req.stop_token_ids, req.include_stop, req.skip_special_tokens)
-        outcome = "cancelled"  # unless we get to the end
+        m = self.metrics
+        outcome, reason = "cancelled", "abort"  # unless we get to the end
         cached = 0  # prompt tokens from the prefill prefix cache (known from the first token)
-        self.metrics.in_flight.inc()
+        m.in_flight.inc()
+        m.num_requests_waiting.inc()
         try:
             async with aclosing(self.dispatcher.generate(req.job, clock)) as events:
                 async for event in events:
                     if isinstance(event, Done):
-                        outcome = "ok"  # set before the yield: the consumer may close us right after it
                         tail = text.flush()  # a stop string can complete only in the flushed text too
-                        yield Finished("stop" if text.stopped else event.finish_reason, tail, len(req.job.prompt_ids),
-                                       len(token_times), event.cached_tokens)
+                        # set before the yield: the consumer may close us right after it
+                        outcome, reason = "ok", "stop" if text.stopped else event.finish_reason
+                        yield Finished(reason, tail, len(req.job.prompt_ids), len(token_times), event.cached_tokens)
                         return
                     if event.index == 0:
                         cached = event.cached_tokens
                     delta = TokenDelta(event.id, event.index, text.push(event.id), event.logprob, event.prompt_logprobs)
-                    token_times.append(time.perf_counter())
-                    if len(token_times) == 1:
-                        clock.lap("detokenize")
-                        self.metrics.ttft.observe(token_times[0] - clock.start)
-                        for stage in TTFT_STAGES:
-                            self.metrics.ttft_stage.labels(stage).observe(clock.stages.get(stage, 0.0))
+                    self._observe_token(token_times, clock, len(req.job.prompt_ids), cached)
                     if text.stopped:
-                        outcome = "ok"
+                        outcome, reason = "ok", "stop"
                         yield delta
                         yield Finished("stop", "", len(req.job.prompt_ids), len(token_times), cached)
                         return
@@ -101,9 +104,34 @@ class CompletionRunner:
             outcome = "error"
             raise
         finally:
-            self.metrics.in_flight.dec()
-            self.metrics.requests.labels(outcome).inc()
+            m.in_flight.dec()
+            (m.num_requests_running if token_times else m.num_requests_waiting).dec()
+            m.requests.labels(outcome).inc()
+            if outcome in ("ok", "cancelled"):
+                m.request_success.labels(m.model_name, reason).inc()
             if outcome == "ok":
-                self.metrics.e2e.observe(time.perf_counter() - clock.start)
+                e2e = time.perf_counter() - clock.start
+                m.e2e.observe(e2e)
+                m.e2e_request_latency.observe(e2e)
                 if len(token_times) > 1:
-                    self.metrics.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+                    m.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+
+    def _observe_token(self, token_times: list[float], clock: TtftClock, prompt_tokens: int, cached: int) -> None:
+        m, now = self.metrics, time.perf_counter()
+        m.generation_tokens.inc()
+        if token_times:
+            m.inter_token_latency.observe(now - token_times[-1])
+        token_times.append(now)
+        if len(token_times) > 1:
+            return
+        clock.lap("detokenize")
+        m.ttft.observe(now - clock.start)
+        m.time_to_first_token.observe(now - clock.start)
+        for stage in TTFT_STAGES:
+            m.ttft_stage.labels(stage).observe(clock.stages.get(stage, 0.0))
+        m.request_queue_time.observe(sum(clock.stages.get(stage, 0.0) for stage in QUEUE_STAGES))
+        m.prompt_tokens.inc(prompt_tokens)
+        m.prefix_cache_queries.inc(prompt_tokens)
+        m.prefix_cache_hits.inc(cached)
+        m.num_requests_waiting.dec()
+        m.num_requests_running.inc()

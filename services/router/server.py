@@ -125,7 +125,7 @@ async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, de
     prefills = prefill_clients or [GrpcPrefillClient(a, plane) for a in config.prefill]
     decodes = decode_clients or [GrpcDecodeClient(a, plane) for a in config.decode]
     cluster = Cluster([c.address for c in prefills], [c.address for c in decodes])
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(config.model_name)
     p_clients = {c.address: c for c in prefills}
     d_clients = {c.address: c for c in decodes}
     ctx = model_context(config, cluster)
