@@ -11,11 +11,12 @@ TORCH_INDEX_URL ?=
 
 .PHONY: setup up test test-local bench clean sysdeps
 
-# Debian libraries the Mooncake transfer engine loads (needs root; skipped when already present).
+# Debian libraries the Mooncake transfer engine loads, and a C compiler for the decode-attention
+# kernel (engine/kernels) (needs root; skipped when already present).
 sysdeps:
-	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q libnl-route-3.so.200 || ! command -v ip >/dev/null; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 iproute2 util-linux >/dev/null; \
-	  else echo "warning: libibverbs1/libnl missing and not root: install them to use the Mooncake transport"; fi; \
+	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q libnl-route-3.so.200 || ! command -v ip >/dev/null || ! command -v cc >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 iproute2 util-linux gcc libc6-dev >/dev/null; \
+	  else echo "warning: libibverbs1/libnl or a C compiler missing and not root: install them for the Mooncake transport and the fused decode kernel"; fi; \
 	fi
 
 $(STAMP): pyproject.toml

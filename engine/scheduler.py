@@ -41,6 +41,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     keep_pages: bool = False  # finish() leaves the pages to the caller (prefill: until the KV is sent)
+    slot_cache: tuple | None = None  # (page list, its length, slots of all its positions): Scheduler.slots
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
     prompt_scores: list[tuple] = field(default_factory=list)  # score blocks (runner.split_scores), any order
 
@@ -186,7 +187,16 @@ class Scheduler:
             seq.pages = []
 
     def slots(self, seq: Sequence, n: int) -> torch.Tensor:
-        return token_slots(seq.pages, n, self.page_size, self.group_size)
+        """Group slots of the request's first ``n`` tokens: a view of the slots of every
+        position its pages hold, computed once per page table (a decode step asks again for
+        one more token each time)."""
+        cached = seq.slot_cache
+        if cached is None or cached[0] is not seq.pages or cached[1] != len(seq.pages) or cached[2].numel() < n:
+            if len(seq.pages) * self.page_size * self.group_size < n:  # too few pages: token_slots says so
+                return token_slots(seq.pages, n, self.page_size, self.group_size)
+            cached = seq.slot_cache = (seq.pages, len(seq.pages), token_slots(
+                seq.pages, len(seq.pages) * self.page_size * self.group_size, self.page_size, self.group_size))
+        return cached[2][:n]
 
     # ---- plans ---------------------------------------------------------------------------
     def next_plan(self) -> StepPlan | None:
@@ -230,14 +240,21 @@ class Scheduler:
             if seq is not None:
                 seq.prompt_scores.append(block)
         events = []
-        for req_id, row in logits.items():
-            seq = self.by_id[req_id]
+        seqs = [self.by_id[req_id] for req_id in logits]
+        # greedy requests without logit processors: one argmax over their rows together
+        plain = [i for i, seq in enumerate(seqs) if seq.params.greedy and not seq.params.processed]
+        argmax = dict(zip(plain, torch.stack([logits[seqs[i].id] for i in plain]).argmax(dim=1).tolist())) \
+            if len(plain) > 1 else {}
+        for i, (seq, row) in enumerate(zip(seqs, logits.values())):
             if self.record_logits:
                 seq.logits.append(row.clone())
             params = seq.params
-            picked = process_logits(row, params, seq.prompt_ids, seq.output_ids, seq.stop_ids) if params.processed \
-                else row
-            token = sample(picked, params, seq.seed, len(seq.output_ids))
+            if i in argmax:
+                token = argmax[i]
+            else:
+                picked = process_logits(row, params, seq.prompt_ids, seq.output_ids, seq.stop_ids) \
+                    if params.processed else row
+                token = sample(picked, params, seq.seed, len(seq.output_ids))
             if params.logprobs is not None:
                 seq.logprobs.append(token_logprob(row, token, params.logprobs))
             self._append(seq, token)

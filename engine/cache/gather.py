@@ -1,12 +1,73 @@
-"""Row gathering for decode attention: a request's cache rows, batched and padded, and the
-absorbed attention over them in cache-sized chunks of requests."""
+"""Decode attention over a request's cache rows wherever they are in the pool: the fused C
+kernel (engine/kernels/mla_decode.c) for fp32 rows on the CPU, else torch — rows gathered,
+batched and padded, in cache-sized chunks of requests."""
 
 from __future__ import annotations
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from engine.kernels import SEG, mla_decode_f32
 from engine.model.attention import absorbed_decode
+
+
+class FusedDecodeAttention:
+    """``absorbed_decode`` of every request of a step in one call of the C kernel: each row is
+    read from memory once (scored, then summed while still in cache), no gather copy, no
+    per-request Python. Work items of ``SEG`` rows of one request run on torch's OpenMP
+    threads; a request's result does not depend on the batch or the threads (same bits).
+
+    Use :func:`fused_decode_attention` to get one where it applies."""
+
+    def __init__(self, fn, kv_lora_rank: int):
+        self.fn, self.r = fn, kv_lora_rank
+        self._rows_cache: tuple[list[torch.Tensor], tuple] | None = None
+        self._scratch = torch.empty(0)  # partials and per-thread scores, kept: a fresh MiB is page faults each call
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(max(n, self._scratch.numel() * 3 // 2))
+        return self._scratch
+
+    def _layout(self, row_lists: list[torch.Tensor]) -> tuple:
+        """(all rows, row offsets, item offsets, item count) of the requests' row lists; cached
+        while the same tensors come back (every layer of a step asks about the same ones)."""
+        cached = self._rows_cache
+        if cached is not None and len(cached[0]) == len(row_lists) and all(a is b for a, b in zip(cached[0], row_lists)):
+            return cached[1]
+        lens = torch.tensor([r.numel() for r in row_lists], dtype=torch.long)
+        zero = torch.zeros(1, dtype=torch.long)
+        items = torch.cat([zero, ((lens + SEG - 1) // SEG).cumsum(0)])
+        rows = torch.cat([r.long() for r in row_lists]) if row_lists else zero
+        layout = (rows.contiguous(), torch.cat([zero, lens.cumsum(0)]), items, int(items[-1]))
+        self._rows_cache = (list(row_lists), layout)
+        return layout
+
+    def __call__(self, pool_layer: torch.Tensor, row_lists: list[torch.Tensor], q: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, H, D] → (out [B, H, r], lse [B, H] base e; a request with no rows: 0 and -inf)."""
+        rows, offs, items, n_items = self._layout(row_lists)
+        b, h, d = q.shape
+        q = q.contiguous()
+        threads = torch.get_num_threads()
+        sizes = (n_items * h * self.r, n_items * 2 * h, threads * h * SEG)
+        part_o, part_ml, scratch = self._buffer(sum(sizes))[: sum(sizes)].split(sizes)
+        out = torch.empty(b, h, self.r)
+        lse = torch.empty(b, h)
+        self.fn(pool_layer.data_ptr(), d, rows.data_ptr(), offs.data_ptr(), items.data_ptr(), q.data_ptr(), b, h,
+                self.r, scale, part_o.data_ptr(), part_ml.data_ptr(), scratch.data_ptr(), out.data_ptr(),
+                lse.data_ptr(), threads)
+        return out, lse
+
+
+def fused_decode_attention(dtype: torch.dtype, device, latent_dim: int, kv_lora_rank: int
+                           ) -> FusedDecodeAttention | None:
+    """The fused kernel for a pool of this dtype, device and entry width, or None where it does
+    not apply (not fp32, not the CPU, widths not multiples of 16) or is unavailable."""
+    if dtype != torch.float32 or torch.device(device).type != "cpu" or latent_dim % 16 or kv_lora_rank % 16:
+        return None
+    fn = mla_decode_f32()
+    return None if fn is None else FusedDecodeAttention(fn, kv_lora_rank)
 
 
 class RowGatherer:
@@ -28,7 +89,8 @@ class RowGatherer:
 
     FRESH_MAX_VALUES = 1 << 20  # one request's rows below this (4 MiB fp32) get a fresh tensor
 
-    def __init__(self):
+    def __init__(self, fused: FusedDecodeAttention | None = None):
+        self.fused = fused  # chosen by the pool's owner at construction (fused_decode_attention)
         self.buf: torch.Tensor | None = None
         self._span_cache: tuple[list[torch.Tensor], list[int | None]] | None = None
 
@@ -72,7 +134,12 @@ class RowGatherer:
         8, 53 → 42 ms at 32 (docs/benchmarks.md). The other requests go in
         consecutive chunks whose padded rows fit ``CHUNK_BYTES`` (read back from cache by each
         product). A request's arithmetic is the same either way.
+
+        With the fused kernel (``self.fused``) all of that is one call instead.
         """
+        if self.fused is not None:
+            out, lse = self.fused(pool_layer, row_lists, q, scale)
+            return out, (lse if return_lse else None)
         spans = self._spans(row_lists)
         rest = [b for b, start in enumerate(spans) if start is None]
         parts: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.gather import RowGatherer
+from engine.cache.gather import RowGatherer, fused_decode_attention
 from engine.model.config import ModelConfig
 
 
@@ -37,7 +37,8 @@ class KVPool:
         # per-layer views, made once: indexing the pool tensor each time is a torch call
         self._latent_views = list(self.latent_pool.unbind(0))
         self._index_views = dict(zip(self.index_layers, self.index_pool.unbind(0)))
-        self.gather = RowGatherer()  # reused decode-attention buffer
+        # decode attention: the fused kernel where it applies, else torch with a reused buffer
+        self.gather = RowGatherer(fused_decode_attention(dtype, device, cfg.latent_dim, cfg.kv_lora_rank))
 
     def holds(self, layer: int) -> bool:
         return layer in self.layers

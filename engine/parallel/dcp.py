@@ -39,7 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.cache.gather import RowGatherer
+from engine.cache.gather import RowGatherer, fused_decode_attention
 from engine.handoff import RankEndpoint, kv_backend
 from engine.model.attention import merge_partials, topk_mask, topk_select
 from engine.model.batch import ForwardBatch, RequestView
@@ -253,7 +253,7 @@ class DecodeRank:
         self.index = {l: torch.zeros(index_rows, cfg.index_head_dim, dtype=self.dtype) for l in cfg.indexer_layer_ids}
         self.bytes_sent = {"q_all_gather": 0, "exchange": 0, "index_candidates": 0, "all_reduce": 0}
         self.trace: dict | None = None
-        self.gather = RowGatherer()
+        self.gather = RowGatherer(fused_decode_attention(self.dtype, "cpu", cfg.latent_dim, cfg.kv_lora_rank))
         self.transport = None
         if kv_transport is not None:
             self.transport = kv_backend().receiver(kv_host, kv_transport)

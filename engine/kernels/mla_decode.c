@@ -1,0 +1,219 @@
+/* Fused absorbed-MLA decode attention over latent cache rows, fp32, CPU.
+ *
+ * For request b with query q[b] [H, D] (D = r + rope: the absorbed query, then the rotated
+ * part) and cache rows pool[idx[offs[b] .. offs[b+1])] [n, D]:
+ *     s[h, j]  = scale * q[b, h] . row_j
+ *     out[b,h] = softmax_j(s[h]) @ row_j[:r]          lse[b, h] = logsumexp_j s[h, j]   (base e)
+ *
+ * Why a kernel: torch runs this as two products per request (scores, then probs @ rows), each
+ * reading the request's rows from memory, plus a Python loop over requests. Here every row is
+ * read from memory once. Rows go by in blocks of BLK: a block is scored, and summed into the
+ * output with an online softmax (the running max per head; the sums so far rescaled when it
+ * grows) while it is still in L1, so the stream of rows from memory never pauses for a second
+ * pass. The next rows are prefetched while the current ones are scored.
+ *
+ * Work items are (request, segment of SEG rows), spread over the OpenMP threads (torch's own
+ * libgomp, already loaded in the process). Each item leaves an unnormalised partial (o, m, l);
+ * partials of a request merge in segment order. So a request's result is the same bits
+ * whatever the batch, the thread count or the scheduling: batching never changes a token.
+ *
+ * A request with no rows gets out = 0 and lse = -inf (the attention backend contract).
+ * Requires D % 16 == 0 and r % 16 == 0 (the caller checks).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define SEG 256 /* rows per work item */
+#define BLK 16  /* rows per online-softmax block */
+#define V 16    /* floats per vector */
+
+typedef float vf __attribute__((vector_size(V * sizeof(float))));
+typedef float vf_unaligned __attribute__((vector_size(V * sizeof(float)), aligned(4), may_alias));
+
+static inline vf ld(const float *p) { return *(const vf_unaligned *)p; }
+static inline void st(float *p, vf v) { *(vf_unaligned *)p = v; }
+static inline vf bcast(float x) { return (vf){0} + x; }
+static inline float hsum(vf v) {
+    float s = 0.f;
+    for (int i = 0; i < V; i++) s += v[i];
+    return s;
+}
+
+static inline int64_t clamp(int64_t j, int64_t last) { return j < last ? j : last; }
+
+/* s[h * BLK + j - j0] = q[h] . rows[j] for j in [j0, j1), h < H: 4 rows x 4 heads per pass,
+ * sixteen accumulators in registers (named, so the compiler keeps them there). Prefetches the
+ * rows four ahead of the ones being scored (up to row nb - 1). */
+static void scores(const float *q, int64_t H, int64_t D, const float *const *rows, int64_t j0, int64_t j1,
+                   int64_t nb, float *s) {
+    for (int64_t j = j0; j < j1; j += 4) {
+        int64_t last = j1 - 1;
+        const float *r0 = rows[j], *r1 = rows[clamp(j + 1, last)], *r2 = rows[clamp(j + 2, last)],
+                    *r3 = rows[clamp(j + 3, last)];
+        const float *n0 = rows[clamp(j + 4, nb - 1)], *n1 = rows[clamp(j + 5, nb - 1)],
+                    *n2 = rows[clamp(j + 6, nb - 1)], *n3 = rows[clamp(j + 7, nb - 1)];
+        for (int64_t h0 = 0; h0 < H; h0 += 4) {
+            const float *q0 = q + h0 * D, *q1 = q + clamp(h0 + 1, H - 1) * D, *q2 = q + clamp(h0 + 2, H - 1) * D,
+                        *q3 = q + clamp(h0 + 3, H - 1) * D;
+            vf z = bcast(0.f);
+            vf a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
+            vf a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
+            for (int64_t k = 0; k < D; k += V) {
+                if (h0 == 0) {
+                    __builtin_prefetch(n0 + k); __builtin_prefetch(n1 + k);
+                    __builtin_prefetch(n2 + k); __builtin_prefetch(n3 + k);
+                }
+                vf x0 = ld(r0 + k), x1 = ld(r1 + k), x2 = ld(r2 + k), x3 = ld(r3 + k);
+                vf y = ld(q0 + k);
+                a00 += y * x0; a01 += y * x1; a02 += y * x2; a03 += y * x3;
+                y = ld(q1 + k);
+                a10 += y * x0; a11 += y * x1; a12 += y * x2; a13 += y * x3;
+                y = ld(q2 + k);
+                a20 += y * x0; a21 += y * x1; a22 += y * x2; a23 += y * x3;
+                y = ld(q3 + k);
+                a30 += y * x0; a31 += y * x1; a32 += y * x2; a33 += y * x3;
+            }
+            float t[4][4] = {{hsum(a00), hsum(a01), hsum(a02), hsum(a03)}, {hsum(a10), hsum(a11), hsum(a12), hsum(a13)},
+                             {hsum(a20), hsum(a21), hsum(a22), hsum(a23)}, {hsum(a30), hsum(a31), hsum(a32), hsum(a33)}};
+            for (int a = 0; a < 4 && h0 + a < H; a++)
+                for (int c = 0; c < 4 && j + c < j1; c++) s[(h0 + a) * BLK + j - j0 + c] = t[a][c];
+        }
+    }
+}
+
+/* o[h, :r] = corr[h] * o[h, :r] + sum_j p[h * BLK + j - j0] * rows[j][:r] for j in [j0, j1):
+ * 4 heads x 64 columns of accumulators a pass, then 4 heads x 16 for the last columns. */
+static void accumulate(const float *p, const float *corr, int64_t H, int64_t r, const float *const *rows,
+                       int64_t j0, int64_t j1, float *o) {
+    for (int64_t h0 = 0; h0 < H; h0 += 4) {
+        int64_t h1 = clamp(h0 + 1, H - 1), h2 = clamp(h0 + 2, H - 1), h3 = clamp(h0 + 3, H - 1);
+        const float *p0 = p + h0 * BLK - j0, *p1 = p + h1 * BLK - j0, *p2 = p + h2 * BLK - j0, *p3 = p + h3 * BLK - j0;
+        float *o0 = o + h0 * r, *o1 = o + h1 * r, *o2 = o + h2 * r, *o3 = o + h3 * r;
+        vf c0v = bcast(corr[h0]), c1v = bcast(corr[h1]), c2v = bcast(corr[h2]), c3v = bcast(corr[h3]);
+        int64_t c = 0;
+        for (; c + 4 * V <= r; c += 4 * V) {
+            vf a00 = c0v * ld(o0 + c), a01 = c0v * ld(o0 + c + V), a02 = c0v * ld(o0 + c + 2 * V), a03 = c0v * ld(o0 + c + 3 * V);
+            vf a10 = c1v * ld(o1 + c), a11 = c1v * ld(o1 + c + V), a12 = c1v * ld(o1 + c + 2 * V), a13 = c1v * ld(o1 + c + 3 * V);
+            vf a20 = c2v * ld(o2 + c), a21 = c2v * ld(o2 + c + V), a22 = c2v * ld(o2 + c + 2 * V), a23 = c2v * ld(o2 + c + 3 * V);
+            vf a30 = c3v * ld(o3 + c), a31 = c3v * ld(o3 + c + V), a32 = c3v * ld(o3 + c + 2 * V), a33 = c3v * ld(o3 + c + 3 * V);
+            for (int64_t j = j0; j < j1; j++) {
+                const float *row = rows[j] + c;
+                vf x0 = ld(row), x1 = ld(row + V), x2 = ld(row + 2 * V), x3 = ld(row + 3 * V);
+                vf w = bcast(p0[j]);
+                a00 += w * x0; a01 += w * x1; a02 += w * x2; a03 += w * x3;
+                w = bcast(p1[j]);
+                a10 += w * x0; a11 += w * x1; a12 += w * x2; a13 += w * x3;
+                w = bcast(p2[j]);
+                a20 += w * x0; a21 += w * x1; a22 += w * x2; a23 += w * x3;
+                w = bcast(p3[j]);
+                a30 += w * x0; a31 += w * x1; a32 += w * x2; a33 += w * x3;
+            }
+            /* a clamped head (H not a multiple of 4) repeats the last one: stored last, same value */
+            st(o3 + c, a30); st(o3 + c + V, a31); st(o3 + c + 2 * V, a32); st(o3 + c + 3 * V, a33);
+            st(o2 + c, a20); st(o2 + c + V, a21); st(o2 + c + 2 * V, a22); st(o2 + c + 3 * V, a23);
+            st(o1 + c, a10); st(o1 + c + V, a11); st(o1 + c + 2 * V, a12); st(o1 + c + 3 * V, a13);
+            st(o0 + c, a00); st(o0 + c + V, a01); st(o0 + c + 2 * V, a02); st(o0 + c + 3 * V, a03);
+        }
+        for (; c < r; c += V) {
+            vf a0 = c0v * ld(o0 + c), a1 = c1v * ld(o1 + c), a2 = c2v * ld(o2 + c), a3 = c3v * ld(o3 + c);
+            for (int64_t j = j0; j < j1; j++) {
+                vf x = ld(rows[j] + c);
+                a0 += bcast(p0[j]) * x; a1 += bcast(p1[j]) * x; a2 += bcast(p2[j]) * x; a3 += bcast(p3[j]) * x;
+            }
+            st(o3 + c, a3); st(o2 + c, a2); st(o1 + c, a1); st(o0 + c, a0);
+        }
+    }
+}
+
+/* One work item: rows idx[0..nb) of one request; writes o [H, r] (unnormalised: sum_j
+ * exp(s_j - m) row_j), m [H] (max score) and l [H] (sum_j exp(s_j - m)). s, corr: scratch. */
+static void segment(const float *pool, int64_t D, const int64_t *idx, int64_t nb, const float *q, int64_t H,
+                    int64_t r, float scale, float *s, float *corr, float *o, float *m, float *l) {
+    const float *rows[SEG];
+    for (int64_t j = 0; j < nb; j++) rows[j] = pool + idx[j] * D;
+    memset(o, 0, sizeof(float) * H * r);
+    for (int64_t h = 0; h < H; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+    }
+    for (int64_t j0 = 0; j0 < nb; j0 += BLK) {
+        int64_t j1 = clamp(j0 + BLK, nb), n = j1 - j0;
+        scores(q, H, D, rows, j0, j1, nb, s);
+        for (int64_t h = 0; h < H; h++) {
+            float *sh = s + h * BLK, mx = m[h], sum = 0.f;
+            for (int64_t j = 0; j < n; j++) {
+                sh[j] *= scale;
+                if (sh[j] > mx) mx = sh[j];
+            }
+            corr[h] = m[h] == -INFINITY ? 0.f : expf(m[h] - mx);
+            for (int64_t j = 0; j < n; j++) {
+                sh[j] = expf(sh[j] - mx);
+                sum += sh[j];
+            }
+            l[h] = l[h] * corr[h] + sum;
+            m[h] = mx;
+        }
+        accumulate(s, corr, H, r, rows, j0, j1, o);
+    }
+}
+
+int mla_decode_seg(void) { return SEG; }
+
+/* Items of request b are item_offs[b] .. item_offs[b+1); part_o [items, H, r], part_ml
+ * [items, 2, H] and scratch [threads, H, SEG] (SEG >= BLK + 1) are scratch space. out [B, H, r], lse [B, H]. */
+void mla_decode_f32(const float *pool, int64_t D, const int64_t *idx, const int64_t *offs, const int64_t *item_offs,
+                    const float *q, int64_t B, int64_t H, int64_t r, float scale, float *part_o, float *part_ml,
+                    float *scratch, float *out, float *lse, int nthreads) {
+    int64_t items = item_offs[B];
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        float *s = scratch + (int64_t)omp_get_thread_num() * H * SEG;
+#else
+        float *s = scratch;
+#endif
+        /* contiguous runs of items per thread: a thread's next item is usually the next rows */
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            int64_t lo = 0, hi = B; /* the request of this item: item_offs[b] <= it < item_offs[b+1] */
+            while (hi - lo > 1) {
+                int64_t mid = (lo + hi) / 2;
+                if (item_offs[mid] <= it) lo = mid; else hi = mid;
+            }
+            int64_t b = lo, start = offs[b] + (it - item_offs[b]) * SEG;
+            segment(pool, D, idx + start, clamp(SEG, offs[b + 1] - start), q + b * H * D, H, r, scale, s, s + H * BLK,
+                    part_o + it * H * r, part_ml + it * 2 * H, part_ml + it * 2 * H + H);
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            int64_t first = item_offs[b], last = item_offs[b + 1];
+            float *ob = out + b * H * r;
+            for (int64_t h = 0; h < H; h++) {
+                float mx = -INFINITY, total = 0.f;
+                for (int64_t it = first; it < last; it++) {
+                    float mi = part_ml[it * 2 * H + h];
+                    if (mi > mx) mx = mi;
+                }
+                float *oh = ob + h * r;
+                memset(oh, 0, sizeof(float) * r);
+                for (int64_t it = first; it < last; it++) {
+                    float w = expf(part_ml[it * 2 * H + h] - mx);
+                    total += w * part_ml[it * 2 * H + H + h];
+                    const float *po = part_o + (it * H + h) * r;
+                    for (int64_t c = 0; c < r; c++) oh[c] += w * po[c];
+                }
+                if (total > 0.f) {
+                    float inv = 1.f / total;
+                    for (int64_t c = 0; c < r; c++) oh[c] *= inv;
+                    lse[b * H + h] = mx + logf(total);
+                } else {
+                    lse[b * H + h] = -INFINITY;
+                }
+            }
+        }
+    }
+}

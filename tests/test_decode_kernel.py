@@ -1,0 +1,104 @@
+"""The fused decode-attention kernel (engine/kernels/mla_decode.c) against the torch path and
+the textbook formula: every shape class it handles, empty requests, shuffled row lists, and
+results that do not depend on the batch or the thread count (same bits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.kernels as kernels
+from engine.cache.gather import RowGatherer, fused_decode_attention
+
+
+@pytest.fixture(scope="module")
+def fused_r():
+    def make(latent_dim: int, r: int):
+        f = fused_decode_attention(torch.float32, "cpu", latent_dim, r)
+        if f is None:
+            pytest.fail("the fused kernel did not build on this machine (a C compiler is part of make setup)")
+        return f
+    return make
+
+
+def textbook(pool, rows, q, r, scale):
+    """softmax(scale · q rowsᵀ) @ rows[:, :r] and logsumexp, one request at a time, in float64."""
+    outs, lses = [], []
+    for b, idx in enumerate(rows):
+        k = pool[idx].double()
+        s = scale * q[b].double() @ k.T  # [H, n]
+        if idx.numel() == 0:
+            outs.append(torch.zeros(q.shape[1], r, dtype=torch.float64))
+            lses.append(torch.full((q.shape[1],), float("-inf"), dtype=torch.float64))
+            continue
+        outs.append(torch.softmax(s, -1) @ k[:, :r])
+        lses.append(torch.logsumexp(s, -1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+LENGTHS = [0, 1, 3, 15, 16, 17, 255, 256, 257, 700]
+
+
+@pytest.mark.parametrize("heads,r,rope", [(4, 512, 64), (4, 64, 16), (3, 48, 16), (16, 128, 32), (1, 16, 0)])
+def test_kernel_equals_the_formula_and_the_torch_path(fused_r, heads, r, rope):
+    g = torch.Generator().manual_seed(heads * 1000 + r)
+    d = r + rope
+    pool = torch.randn(2048, d, generator=g)
+    rows = [torch.randperm(2048, generator=g)[:n] for n in LENGTHS] + [torch.arange(600, 1600)]
+    q = torch.randn(len(rows), heads, d, generator=g) * 0.3
+    out, lse = RowGatherer(fused_r(d, r)).attend(pool, rows, q, r, 0.125, return_lse=True)
+    want_out, want_lse = textbook(pool, rows, q, r, 0.125)
+    torch_out, torch_lse = RowGatherer().attend(pool, rows, q, r, 0.125, return_lse=True)
+    assert torch.allclose(out.double(), want_out, atol=2e-6)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    assert torch.allclose(lse.double()[finite], want_lse[finite], atol=2e-6)
+    assert torch.equal(out[0], torch.zeros(heads, r)) and bool(torch.isneginf(lse[0]).all())  # no rows
+    assert torch.allclose(out[1:], torch_out[1:], atol=2e-6) and torch.allclose(lse[1:], torch_lse[1:], atol=2e-6)
+    # without the LSE (the reference engine's call) the output is the same
+    alone, none = RowGatherer(fused_r(d, r)).attend(pool, rows, q, r, 0.125, return_lse=False)
+    assert none is None and torch.equal(alone, out)
+
+
+def test_a_request_gets_the_same_bits_alone_in_any_batch_and_thread_count(fused_r):
+    g = torch.Generator().manual_seed(1)
+    pool = torch.randn(8192, 576, generator=g)
+    rows = [torch.randperm(8192, generator=g)[:n] for n in (1000, 37, 2049, 256, 511)]
+    q = torch.randn(len(rows), 4, 576, generator=g) * 0.2
+    gather = RowGatherer(fused_r(576, 512))
+    out, lse = gather.attend(pool, rows, q, 512, 0.1, return_lse=True)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for b in range(len(rows)):
+                o, l = RowGatherer(fused_r(576, 512)).attend(pool, rows[b:b + 1], q[b:b + 1], 512, 0.1, return_lse=True)
+                assert torch.equal(o[0], out[b]) and torch.equal(l[0], lse[b]), (n, b)
+            o, l = gather.attend(pool, rows[::-1], q.flip(0), 512, 0.1, return_lse=True)
+            assert torch.equal(o, out.flip(0)) and torch.equal(l, lse.flip(0))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_where_the_kernel_applies(monkeypatch):
+    assert fused_decode_attention(torch.bfloat16, "cpu", 576, 512) is None  # fp32 rows only
+    assert fused_decode_attention(torch.float32, "meta", 576, 512) is None  # the CPU only
+    assert fused_decode_attention(torch.float32, "cpu", 580, 512) is None  # widths in 16s
+    kernels.mla_decode_f32.cache_clear()
+    try:
+        monkeypatch.setenv(kernels.ENV, "torch")
+        assert fused_decode_attention(torch.float32, "cpu", 576, 512) is None
+        kernels.mla_decode_f32.cache_clear()
+        monkeypatch.setenv(kernels.ENV, "fused")
+        monkeypatch.setattr(kernels, "_compiler", lambda: None)
+        with pytest.raises(RuntimeError, match="no C compiler"):
+            fused_decode_attention(torch.float32, "cpu", 576, 512)
+        kernels.mla_decode_f32.cache_clear()
+        monkeypatch.setenv(kernels.ENV, "auto")  # without a compiler: the torch path, said in the log
+        assert fused_decode_attention(torch.float32, "cpu", 576, 512) is None
+        kernels.mla_decode_f32.cache_clear()
+        monkeypatch.setenv(kernels.ENV, "sometimes")
+        with pytest.raises(ValueError, match=kernels.ENV):
+            kernels.mla_decode_f32()
+    finally:
+        kernels.mla_decode_f32.cache_clear()
