@@ -319,21 +319,28 @@ def _breakdown(t: dict[str, float], steps: int) -> dict[str, float]:
 
 def plan_pickle_cost(ctx: int, batch: int) -> dict:
     """What the driver pickles per decode step and rank (with the group's own pickler,
-    engine/parallel/group.py ``dumps``): DecodeItem.slots covers every position."""
+    engine/parallel/group.py ``dumps``): a request's first plan carries its whole slot list,
+    later ones (``SlotSync``, engine/plan.py) only the step's new slot."""
     import pickle
 
     import torch
 
     from engine.parallel.group import dumps
-    from engine.plan import DecodeItem, StepPlan
+    from engine.plan import DecodeItem, SlotSync, StepPlan
 
-    plan = StepPlan("decode", [DecodeItem(i, 5, ctx, torch.arange(ctx + 1)) for i in range(batch)])
-    msg = ("call", "run", (plan, False), {})
-    t0 = time.perf_counter()
-    for _ in range(20):
-        data = dumps(msg)
-        pickle.loads(data)
-    return {"bytes": len(data), "pickle_unpickle_ms": (time.perf_counter() - t0) / 20 * 1e3}
+    def cost(plan) -> tuple[int, float]:
+        msg = ("call", "run", (plan, False), {})
+        t0 = time.perf_counter()
+        for _ in range(20):
+            data = dumps(msg)
+            pickle.loads(data)
+        return len(data), (time.perf_counter() - t0) / 20 * 1e3
+
+    sync = SlotSync()
+    first = sync.wire(StepPlan("decode", [DecodeItem(i, 5, ctx, torch.arange(ctx + 1)) for i in range(batch)]))
+    later = sync.wire(StepPlan("decode", [DecodeItem(i, 5, ctx + 1, torch.arange(ctx + 2)) for i in range(batch)]))
+    (b_first, ms_first), (b_later, ms_later) = cost(first), cost(later)
+    return {"bytes": b_first, "pickle_unpickle_ms": ms_first, "later_bytes": b_later, "later_pickle_unpickle_ms": ms_later}
 
 
 def _decode_shape(args) -> tuple[int, int, int]:
@@ -749,8 +756,9 @@ def main() -> None:
               f"collective (incl. waiting for the peer)")
     for ctx in args.contexts:
         pc = next(r["plan_pickle"] for r in results if r["context"] == ctx)
-        print(f"decode plan per rank per step at {ctx}: {pc['bytes'] / 1024:.0f} KiB pickled "
-              f"({pc['pickle_unpickle_ms']:.2f} ms to pickle + unpickle)")
+        print(f"decode plan per rank at {ctx}: a request's first step {pc['bytes'] / 1024:.0f} KiB pickled "
+              f"({pc['pickle_unpickle_ms']:.2f} ms to pickle + unpickle), later steps {pc['later_bytes']} B "
+              f"({pc['later_pickle_unpickle_ms']:.3f} ms)")
     loads = [x for r in results for x in r["loadavg_1m"]]
     print(f"1-minute load average during the measurements: {min(loads):.1f}-{max(loads):.1f} "
           f"({os.cpu_count()} CPUs)")

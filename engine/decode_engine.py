@@ -16,7 +16,7 @@ from engine.model.loader import load_model, parse_dtype, resolve_dtype
 from engine.model.tiny import resolve_model_dir
 from engine.parallel.expert import check_moe_parallel
 from engine.parallel.group import WorkerGroup
-from engine.plan import StepPlan
+from engine.plan import SlotSync, StepPlan
 from engine.runner import LocalRunner
 from engine.reservations import ReservationTable
 from engine.scheduler import Engine, Scheduler
@@ -29,6 +29,7 @@ class DCPRunner:
 
     def __init__(self, group, prefill: LocalRunner | None, trace: bool = False):
         self.group, self.prefill, self.trace = group, prefill, trace
+        self.sync = SlotSync()  # decode plans carry each request's new slots only
         self.rank_seconds = [0.0] * group.world_size
         self.scores: dict[int, tuple] = {}  # prompt scores of the last extend step (reference prefill)
 
@@ -44,9 +45,20 @@ class DCPRunner:
             index = {l: pool.index(l)[slots] for l in pool.index_layers}
             self.group.call("load_rows", slots, latent, index)
             return logits
-        out: dict[int, torch.Tensor] = {}
+        self.submit(plan)
+        return self.collect()
+
+    def submit(self, plan: StepPlan) -> None:
+        """Start a decode step on the ranks; ``collect`` returns its logits."""
+        if not plan.is_decode:
+            raise ValueError("only decode steps are submitted (extend steps run with run())")
+        self.group.submit("run", self.sync.wire(plan), self.trace)
+
+    def collect(self) -> dict[int, torch.Tensor | int]:
+        """Each request's logits row, or its token where the plan asked for the argmax."""
+        out: dict[int, torch.Tensor | int] = {}
         self.scores = {}
-        for r, (logits, seconds) in enumerate(self.group.call("run", plan, self.trace)):
+        for r, (logits, seconds) in enumerate(self.group.collect()):
             out.update(logits)
             self.rank_seconds[r] += seconds
         return out
@@ -59,7 +71,8 @@ class DCPDecodeEngine(Engine):
                  record_logits: bool = False, trace: bool = False, reference_prefill: bool = True,
                  kv_transport: str | None = None, kv_host: str = "127.0.0.1", lease_s: float = 30.0,
                  write_lease_s: float = 60.0,
-                 generation_config: str = "auto", moe_parallel: str = "ep", kv_cache_memory: int | str | None = None):
+                 generation_config: str = "auto", moe_parallel: str = "ep", kv_cache_memory: int | str | None = None,
+                 pipelined: bool = False):
         from engine.model.config import ModelConfig
 
         self.model_dir = resolve_model_dir(model)
@@ -84,6 +97,7 @@ class DCPDecodeEngine(Engine):
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, dcp, record_logits),
                          DCPRunner(self.group, prefill, trace))
         self.dcp, self.dtype, self.index_mode, self.page_size = dcp, dtype, indexer, page_size
+        self.pipelined = pipelined
         self.reservations = ReservationTable(self.scheduler, lease_s, write_lease_s)
         self.endpoints = tuple(self.group.call("endpoint")) if kv_transport else ()
 
@@ -111,6 +125,32 @@ class DCPDecodeEngine(Engine):
         return self.reservations.abort(reservation_id)
 
     def step(self):
+        """One engine step. Pipelined (the decode service): collect the decode step in flight,
+        apply its tokens, submit the next step at once, and return the events, which the
+        caller delivers while the ranks compute. So the ranks wait only for the driver's
+        sampling and planning between steps, not for delivery, gRPC or queued commands.
+
+        The same plans in the same order as unpipelined: a step is planned after the previous
+        one's tokens are applied, so tokens are unchanged. A request that finishes or is
+        aborted while a step that includes it runs keeps its pages until that step is
+        collected (``Scheduler.in_flight``): the step still writes its next cache row."""
         self.reservations.expire()
-        return super().step()
+        if not self.pipelined:
+            return super().step()
+        events = []
+        if self.group.pending:
+            events = self.scheduler.apply(self.runner.collect())
+            self.scheduler.step_collected()
+        plan = self.scheduler.next_plan()
+        if plan is None:
+            return events
+        if not plan.is_decode:  # prompts prefilled by the reference (test engines): in step
+            return events + self.scheduler.apply(self.runner.run(plan), self.runner.scores)
+        self.runner.submit(plan)
+        self.scheduler.in_flight = frozenset(it.req_id for it in plan.items)
+        return events
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self.group.pending
 

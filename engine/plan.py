@@ -33,12 +33,19 @@ class ChunkItem:
 
 @dataclass(frozen=True)
 class DecodeItem:
-    """The token at `position` of one request; slots cover positions [0, position]."""
+    """The token at `position` of one request; slots cover positions [0, position].
+
+    On the wire to decode ranks (``SlotSync``) ``slots`` holds only positions
+    [slots_from, position]: the ranks keep the earlier ones from previous steps.
+    ``argmax``: the ranks answer with the greedy token instead of the logits row.
+    """
 
     req_id: int
     token_id: int
     position: int
     slots: torch.Tensor
+    slots_from: int = 0
+    argmax: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,3 +56,51 @@ class StepPlan:
     @property
     def is_decode(self) -> bool:
         return self.kind == "decode"
+
+
+class SlotSync:
+    """The two ends of a decode plan's slot lists, so that a step sends each request's new
+    slots only, not its whole history (a 32k-token request: 256 KB of slots a step, per rank).
+
+    The driver's end (``wire``) remembers how many slots it sent per request; the rank's end
+    (``expand``) keeps each request's slots in a growing buffer and gives the plan back its
+    full lists. Both forget a request at the first plan it is not in. If a request's earlier
+    slots changed (a new page table), the driver sends them whole again.
+    """
+
+    def __init__(self):
+        self.sent: dict[int, tuple[int, int]] = {}  # driver: req_id -> (count sent, last slot sent)
+        self.held: dict[int, tuple[torch.Tensor, int]] = {}  # rank: req_id -> (buffer, count held)
+
+    def wire(self, plan: StepPlan) -> StepPlan:
+        items, sent = [], {}
+        for it in plan.items:
+            n = it.slots.numel()
+            k, last = self.sent.get(it.req_id, (0, -1))
+            if k > n or (k and int(it.slots[k - 1]) != last):
+                k = 0
+            items.append(DecodeItem(it.req_id, it.token_id, it.position, it.slots[k:], k, it.argmax))
+            sent[it.req_id] = (n, int(it.slots[n - 1]) if n else -1)
+        self.sent = sent
+        return StepPlan(plan.kind, items)
+
+    def expand(self, plan: StepPlan) -> StepPlan:
+        items, held = [], {}
+        for it in plan.items:
+            buf, k = self.held.get(it.req_id, (None, 0))
+            if it.slots_from == 0:
+                buf, k = None, 0
+            elif buf is None or it.slots_from != k:
+                raise RuntimeError(f"request {it.req_id}: the plan continues its slots at {it.slots_from}, "
+                                   f"this rank holds {k}")
+            n = k + it.slots.numel()
+            if buf is None or buf.numel() < n:
+                grown = torch.empty(max(n, 2 * k, 256), dtype=torch.long)
+                if buf is not None:
+                    grown[:k] = buf[:k]
+                buf = grown
+            buf[k:n] = it.slots
+            held[it.req_id] = (buf, n)
+            items.append(DecodeItem(it.req_id, it.token_id, it.position, buf[:n], 0, it.argmax))
+        self.held = held
+        return StepPlan(plan.kind, items)

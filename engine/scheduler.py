@@ -109,6 +109,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.by_id: dict[int, Sequence] = {}
         self._ids = itertools.count()
+        # ids in a step submitted to ranks and not yet collected (a pipelined engine): their
+        # pages are not freed before it is, since that step still writes their next cache row
+        self.in_flight: frozenset[int] = frozenset()
+        self._held: list[Sequence] = []
 
     @property
     def capacity_tokens(self) -> int:
@@ -178,13 +182,24 @@ class Scheduler:
         self.by_id.pop(seq.id, None)
 
     def release(self, seq: Sequence) -> None:
-        """Return a request's pages (to the prefix cache where it keeps them)."""
+        """Return a request's pages (to the prefix cache where it keeps them); held until the
+        step in flight is collected if it is in it (``step_collected``)."""
+        if seq.id in self.in_flight:
+            self._held.append(seq)
+            return
         if seq.pages:
             if self.prefix is None:
                 self.allocator.free(seq.pages)
             else:
                 self.prefix.release(seq.pages, seq.prompt_ids, prompt_done=not seq.is_prefilling)
             seq.pages = []
+
+    def step_collected(self) -> None:
+        """The step in flight is done: free the pages of requests that finished meanwhile."""
+        self.in_flight = frozenset()
+        held, self._held = self._held, []
+        for seq in held:
+            self.release(seq)
 
     def slots(self, seq: Sequence, n: int) -> torch.Tensor:
         """Group slots of the request's first ``n`` tokens: a view of the slots of every
@@ -227,7 +242,9 @@ class Scheduler:
         items = []
         for seq in seqs:
             p = len(seq.all_ids) - 1
-            items.append(DecodeItem(seq.id, seq.all_ids[-1], p, self.slots(seq, p + 1)))
+            params = seq.params  # plain greedy: a runner that can answers with the token (DecodeItem.argmax)
+            argmax = params.greedy and not params.processed and params.logprobs is None and not self.record_logits
+            items.append(DecodeItem(seq.id, seq.all_ids[-1], p, self.slots(seq, p + 1), argmax=argmax))
             seq.num_computed = p + 1
         return StepPlan("decode", items)
 
@@ -240,16 +257,22 @@ class Scheduler:
             if seq is not None:
                 seq.prompt_scores.append(block)
         events = []
+        if self.in_flight:  # a pipelined step: requests aborted while it ran have left
+            logits = {rid: row for rid, row in logits.items() if rid in self.by_id}
         seqs = [self.by_id[req_id] for req_id in logits]
-        # greedy requests without logit processors: one argmax over their rows together
-        plain = [i for i, seq in enumerate(seqs) if seq.params.greedy and not seq.params.processed]
+        # greedy requests without logit processors: one argmax over their rows together (a
+        # runner may have sent the token itself: an int instead of a row)
+        plain = [i for i, seq in enumerate(seqs) if seq.params.greedy and not seq.params.processed
+                 and not isinstance(logits[seq.id], int)]
         argmax = dict(zip(plain, torch.stack([logits[seqs[i].id] for i in plain]).argmax(dim=1).tolist())) \
             if len(plain) > 1 else {}
         for i, (seq, row) in enumerate(zip(seqs, logits.values())):
             if self.record_logits:
                 seq.logits.append(row.clone())
             params = seq.params
-            if i in argmax:
+            if isinstance(row, int):
+                token = row
+            elif i in argmax:
                 token = argmax[i]
             else:
                 picked = process_logits(row, params, seq.prompt_ids, seq.output_ids, seq.stop_ids) \

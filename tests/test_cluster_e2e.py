@@ -428,8 +428,14 @@ def test_a_dead_rank_fails_its_request_fast_then_the_group_rebuilds_itself(clust
 
 
 @pytest.mark.timeout(300)
-def test_killing_the_prefill_service_mid_request_frees_decode_rows():
-    children = start_cluster(cluster_args(), 0, None, quiet=True)
+def test_killing_the_prefill_service_mid_request_frees_decode_rows(tmp_path):
+    """Killed while it writes, the prefill group never sends EndWrite: the aborted reservation
+    stays quarantined (a late write may still land) until its write lease lapses, then its rows
+    come back. (Killed before its BeginWrite, the rows come back at the abort.) A 4 s lease
+    here instead of the default 60 s."""
+    config = tmp_path / "c.yaml"
+    config.write_text("decode:\n  write_lease_s: 4\n")
+    children = start_cluster(cluster_args(config=str(config)), 0, None, quiet=True)
     try:
         client = client_for(children)
         result: dict = {}

@@ -81,24 +81,24 @@ def reference(model: str):
     return _REFS[model]
 
 
-CONFIGS = [  # model, C, exchange, indexer, replicate_q_proj
-    ("tiny", 1, "a2a", "copied", False),
-    ("tiny", 2, "a2a", "copied", False),
-    ("tiny", 2, "ag_rs", "split", True),
-    ("tiny", 4, "a2a", "split", False),
-    ("tiny-v3", 2, "ag_rs", "copied", False),
-    ("six", 3, "a2a", "split", False),
-    ("six", 3, "ag_rs", "copied", True),
+CONFIGS = [  # model, C, exchange, indexer, replicate_q_proj, pipelined (the service's stepping)
+    ("tiny", 1, "a2a", "copied", False, True),
+    ("tiny", 2, "a2a", "copied", False, False),
+    ("tiny", 2, "ag_rs", "split", True, True),
+    ("tiny", 4, "a2a", "split", False, False),
+    ("tiny-v3", 2, "ag_rs", "copied", False, False),
+    ("six", 3, "a2a", "split", False, True),
+    ("six", 3, "ag_rs", "copied", True, False),
 ]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model,dcp,exchange,indexer,replicate", CONFIGS)
-def test_dcp_decode_matches_reference(six_heads, model, dcp, exchange, indexer, replicate):
+@pytest.mark.parametrize("model,dcp,exchange,indexer,replicate,pipelined", CONFIGS)
+def test_dcp_decode_matches_reference(six_heads, model, dcp, exchange, indexer, replicate, pipelined):
     model = six_heads if model == "six" else model
     ref = reference(model)
     with DCPDecodeEngine(model, dcp=dcp, exchange=exchange, indexer=indexer, replicate_q_proj=replicate,
-                         record_logits=True) as eng:
+                         record_logits=True, pipelined=pipelined) as eng:
         seqs = run(eng, prompts())
         for ours, theirs in zip(seqs, ref):
             assert ours.output_ids == theirs.output_ids
@@ -148,3 +148,57 @@ def test_rows_per_rank_and_capacity_match_the_plan():
 def test_heads_must_divide():
     with pytest.raises(ValueError, match="divide the model's 4 attention heads"):
         DCPDecodeEngine("tiny", dcp=3)
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_steps_hold_the_pages_of_a_request_aborted_mid_step():
+    """The service submits the next decode step before it delivers the last one's tokens; a
+    request aborted while a step that includes it runs must keep its pages until that step is
+    collected (the step still writes its next row), and the other requests' tokens are the
+    reference's."""
+    ps = prompts()[:3]
+    ref = run(ReferenceEngine("tiny"), ps)
+    with DCPDecodeEngine("tiny", dcp=2, pipelined=True) as eng:
+        seqs = [eng.add_request(p, STEPS) for p in ps]
+        while not eng.group.pending or not all(s.output_ids for s in seqs):
+            eng.step()
+        victim = seqs[1]
+        free_before = eng.allocator.num_free
+        eng.scheduler.abort(victim)  # between two steps, as a cancelled stream's abort runs
+        assert victim.finish_reason == "abort" and victim.pages and eng.allocator.num_free == free_before
+        with pytest.raises(RuntimeError, match="submitted and not collected"):
+            eng.group.call("stats")  # nothing may reach the ranks between submit and collect
+        eng.step()  # collects the step that still wrote the victim's row: now its pages go back
+        assert not victim.pages and eng.allocator.num_free > free_before
+        while eng.has_work:
+            eng.step()
+        assert eng.allocator.num_free == eng.allocator.num_pages
+    for i in (0, 2):
+        assert seqs[i].output_ids == ref[i].output_ids
+
+
+def test_slot_sync_sends_each_slot_once_and_rebuilds_the_full_lists():
+    """Decode plans carry a request's new slots only; the ranks' end gives back the full lists,
+    forgets requests that left, and takes a whole list again when earlier slots changed."""
+    from engine.plan import DecodeItem, SlotSync, StepPlan
+
+    def plan(items):
+        return StepPlan("decode", [DecodeItem(rid, 7, n - 1, slots, argmax=rid % 2 == 0) for rid, n, slots in items])
+
+    driver, rank = SlotSync(), SlotSync()
+    a, b = torch.arange(100, 140), torch.arange(500, 1100)
+    for step in range(3):
+        full = plan([(1, 30 + step, a[: 30 + step]), (2, 590 + step, b[: 590 + step])])
+        wire = driver.wire(full)
+        assert [it.slots.numel() for it in wire.items] == ([30, 590] if step == 0 else [1, 1])
+        got = rank.expand(wire)
+        for x, y in zip(got.items, full.items):
+            assert torch.equal(x.slots, y.slots) and (x.req_id, x.position, x.argmax) == (y.req_id, y.position, y.argmax)
+    # request 1 leaves; request 2's earlier slots change (a new page table): sent whole again
+    moved = torch.arange(2000, 2600)
+    wire = driver.wire(plan([(2, 593, moved[:593])]))
+    assert wire.items[0].slots_from == 0 and wire.items[0].slots.numel() == 593
+    assert torch.equal(rank.expand(wire).items[0].slots, moved[:593]) and set(rank.held) == {2}
+    # a rank that has not seen the start of a list refuses the continuation
+    with pytest.raises(RuntimeError, match="continues its slots"):
+        SlotSync().expand(driver.wire(plan([(2, 594, moved[:594])])))

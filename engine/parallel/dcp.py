@@ -46,7 +46,7 @@ from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
 from engine.parallel.expert import decode_dispatch
 from engine.parallel.shard import WeightShard, weights_held
-from engine.plan import StepPlan
+from engine.plan import SlotSync, StepPlan
 from engine.runner import batch_inputs
 
 EXCHANGES = ("a2a", "ag_rs")
@@ -253,6 +253,7 @@ class DecodeRank:
         self.index = {l: torch.zeros(index_rows, cfg.index_head_dim, dtype=self.dtype) for l in cfg.indexer_layer_ids}
         self.bytes_sent = {"q_all_gather": 0, "exchange": 0, "index_candidates": 0, "all_reduce": 0}
         self.trace: dict | None = None
+        self.slots = SlotSync()  # each running request's slots, sent once (engine/plan.py)
         self.gather = RowGatherer(fused_decode_attention(self.dtype, "cpu", cfg.latent_dim, cfg.kv_lora_rank))
         self.transport = None
         if kv_transport is not None:
@@ -298,6 +299,7 @@ class DecodeRank:
         if not plan.is_decode:
             raise ValueError("DCP ranks run decode steps only")
         t0 = time.perf_counter()
+        plan = self.slots.expand(plan)
         ids, pos, new_slots, _, kv_lens = batch_inputs(plan)
         views = [RequestView(torch.tensor([b]), pos[b : b + 1], kv) for b, kv in enumerate(kv_lens)]
         kv = DCPKV(self, torch.cat(new_slots), [it.slots for it in plan.items])
@@ -305,7 +307,11 @@ class DecodeRank:
         batch = ForwardBatch(ids, pos, views, kv, torch.arange(len(plan.items)), is_decode=True,
                              all_reduce=self._all_reduce, trace=self.trace, moe=self.moe)
         logits = self.lm(batch)
-        result = {it.req_id: logits[b] for b, it in enumerate(plan.items)} if self.rank == 0 else {}
+        result = {}
+        if self.rank == 0:
+            greedy = [b for b, it in enumerate(plan.items) if it.argmax]
+            tokens = dict(zip(greedy, logits[greedy].argmax(dim=1).tolist())) if greedy else {}
+            result = {it.req_id: tokens[b] if b in tokens else logits[b] for b, it in enumerate(plan.items)}
         return result, time.perf_counter() - t0
 
     # ---- inspection (call_rank: no collectives) -----------------------------------------

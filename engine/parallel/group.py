@@ -15,6 +15,8 @@ Synchronisation rule (everything collective relies on it):
     across ranks, as long as the method itself issues the same collectives on every rank.
     ``call`` is serialised by a lock, so concurrent driver threads cannot interleave two
     sequences. ``call_rank`` reaches one rank only, so its methods must not use collectives.
+    ``submit`` sends a call without waiting and ``collect`` takes its answers; nothing else is
+    sent in between, so the ranks still see one sequence.
 
 Failure rule: any rank that dies or raises fails the whole group. SPMD state cannot be repaired
 (its peers may be blocked in a collective that will never complete), so the driver terminates
@@ -41,6 +43,7 @@ The three questions, for the group itself:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import importlib
@@ -345,6 +348,7 @@ class WorkerGroup:
         self._start_timeout_s = start_timeout_s
         self._lock = threading.RLock()
         self._ready = False
+        self._pending: str | None = None  # what a submitted, uncollected call is (``submit``)
         self._failure: GroupError | None = None
         self._closed = False
         self._ranks = _Ranks()
@@ -425,7 +429,37 @@ class WorkerGroup:
         """
         with self._lock:
             self.ready()
+            self._check_no_pending()
             return self._run(range(self.world_size), method, args, kwargs, f"call {method!r}")
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Send ``method`` to every rank like ``call``, without waiting: ``collect()`` returns
+        the answers. The driver works while the ranks compute (a decode step's bookkeeping and
+        delivery overlap the next forward). One submitted call at a time; ``call`` and
+        ``call_rank`` refuse to run until it is collected (the ranks answer in order)."""
+        with self._lock:
+            self.ready()
+            self._check_no_pending()
+            message = dumps(("call", method, args, kwargs))
+            what = f"call {method!r}"
+            with self._interruptible(what):
+                for rank in range(self.world_size):
+                    self._send(rank, message)
+            self._pending = what
+
+    def collect(self) -> list:
+        """The answers of the submitted call, in rank order (GroupError as ``call`` raises it)."""
+        with self._lock:
+            if self._pending is None:
+                raise RuntimeError(f"worker group {self.name!r}: collect() without a submitted call")
+            what, self._pending = self._pending, None
+            with self._interruptible(what):
+                return self._collect(range(self.world_size), deadline=None, what=what)
+
+    @property
+    def pending(self) -> bool:
+        """A submitted call's answers are still to be collected."""
+        return self._pending is not None
 
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on one rank only; the method must not use collectives."""
@@ -433,6 +467,7 @@ class WorkerGroup:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         with self._lock:
             self.ready()
+            self._check_no_pending()
             return self._run([rank], method, args, kwargs, f"call_rank({rank}, {method!r})")[0]
 
     def shutdown(self, timeout_s: float = 10) -> None:
@@ -469,14 +504,14 @@ class WorkerGroup:
         if self._closed:
             raise GroupError(f"worker group {self.name!r} was shut down")
 
-    def _run(self, ranks: Any, method: str, args: tuple, kwargs: dict, what: str) -> list:
-        # Plain pickle (tensors by value): ForkingPickler would share tensor storage through
-        # one-shot file descriptors, which breaks when the same bytes go to several ranks.
-        message = dumps(("call", method, args, kwargs))
+    def _check_no_pending(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"worker group {self.name!r}: {self._pending} was submitted and not collected")
+
+    @contextlib.contextmanager
+    def _interruptible(self, what: str):
         try:
-            for rank in ranks:
-                self._send(rank, message)
-            return self._collect(ranks, deadline=None, what=what)
+            yield
         except GroupError:
             raise
         except BaseException as exc:
@@ -484,6 +519,15 @@ class WorkerGroup:
             # the next call's, so the group cannot be used again.
             self._abort(None, f"{what} interrupted by {type(exc).__name__}")
             raise
+
+    def _run(self, ranks: Any, method: str, args: tuple, kwargs: dict, what: str) -> list:
+        # Plain pickle (tensors by value): ForkingPickler would share tensor storage through
+        # one-shot file descriptors, which breaks when the same bytes go to several ranks.
+        message = dumps(("call", method, args, kwargs))
+        with self._interruptible(what):
+            for rank in ranks:
+                self._send(rank, message)
+            return self._collect(ranks, deadline=None, what=what)
 
     def _send(self, rank: int, message: bytes) -> None:
         try:

@@ -172,7 +172,7 @@ class DecodeConfig(_ServiceConfig):
                     replicate_q_proj=self.replicate_q_proj, dtype=self.dtype,
                     generation_config=self.generation_config, page_size=self.page_size,
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.thread_plan.threads,
-                    reference_prefill=False, kv_transport=self.kv_protocol, kv_host=self.kv_host,
+                    reference_prefill=False, pipelined=True, kv_transport=self.kv_protocol, kv_host=self.kv_host,
                     lease_s=self.lease_s, write_lease_s=self.write_lease_s, moe_parallel=self.moe_parallel,
                     kv_cache_memory=self.kv_cache_memory)
 
