@@ -196,6 +196,34 @@ def ttft_stage_sums(target: Target) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in [*stages.items(), *([("ttft", total)] if total else [])]}
 
 
+def request_ttft_records(target: Target) -> dict[str, dict]:
+    """A cpserve router's recent per-request TTFT breakdowns (GET /debug/ttft) by request id."""
+    try:
+        body = httpx.get(f"{target.url}/debug/ttft", headers=target.headers, trust_env=False, timeout=30).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return {r["id"]: r for r in body.get("requests", [])}
+
+
+def ttft_bound_check(results: list[Result], records: dict[str, dict], factor: float = 1.2,
+                     slack_ms: float = 20.0) -> dict:
+    """Issue 15's per-request TTFT bound: each request's TTFT (as the client saw it) within
+    ``factor`` × (its time in the prefill queue — the prefill of the requests ahead of it — plus
+    its own prefill compute, from the router's breakdown) + ``slack_ms``."""
+    checked, over = 0, []
+    for r in results:
+        rec = records.get(r.response_id) if r.error is None else None
+        if rec is None:
+            continue
+        stages = rec["stages_ms"]
+        bound = factor * (stages.get("prefill_queue", 0.0) + stages.get("prefill_compute", 0.0)) + slack_ms
+        checked += 1
+        if r.ttft_ms > bound:
+            over.append(r.ttft_ms - bound)
+    return {"requests_checked": checked, "within_bound": checked - len(over),
+            "worst_over_bound_ms": max(over, default=0.0), "factor": factor, "slack_ms": slack_ms}
+
+
 def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
     """Mean ms per request of each stage between two :func:`ttft_stage_sums` readings."""
     out = {}
@@ -218,6 +246,7 @@ class Result:
     prompt_tokens: int | None = None
     ids: list[int] = field(default_factory=list)  # the streamed token_ids, where the server sends them
     error: str | None = None
+    response_id: str | None = None  # the stream's "id" (cpserve: the router's /debug/ttft key)
 
 
 @dataclass(frozen=True)
@@ -274,6 +303,7 @@ async def send(client: httpx.AsyncClient, target: Target, index: int, prompt: Pr
                         err = chunk["error"]
                         res.error = str(err.get("message") if isinstance(err, dict) else err)[:200]
                         break
+                    res.response_id = res.response_id or chunk.get("id")
                     has_output, ids = _output(chunk, opts.chat)
                     if has_output:
                         times.append(time.perf_counter())

@@ -85,8 +85,8 @@ import time
 
 from common import base_parser, bench_model_dir, emit_json, print_table, save_plot
 from http_load import (PERCENTILES, DatasetError, Level, Prompt, RequestOptions, Target, file_prompts, probe,
-                       random_ids, random_text, run_level, send, stage_means_ms, summarise, tokens_per_word,
-                       ttft_stage_sums)
+                       random_ids, random_text, request_ttft_records, run_level, send, stage_means_ms, summarise,
+                       tokens_per_word, ttft_bound_check, ttft_stage_sums)
 
 BYTE_VOCAB = 259  # ids 0-258: what every byte-level tokenizer has (cpserve's: 3 + b for byte b)
 
@@ -311,6 +311,7 @@ def measure(args: argparse.Namespace, targets: list[Target], prompts: list[Promp
                 s = stats[t.name, level] = summarise(results, n, start, args.slo_ttft, args.slo_tpot)
                 if t.is_cpserve:
                     s["ttft_stages_ms"] = stage_means_ms(before, ttft_stage_sums(t))
+                    s["ttft_bound"] = ttft_bound_check(results, request_ttft_records(t))
                 ids[t.name, level] = {r.index: r.ids for r in results if r.error is None}
                 bar.update(s["not_started"])
     return stats, ids
@@ -398,6 +399,7 @@ def offline_comparison(args: argparse.Namespace, own: OwnServers, stats: dict, i
         if (name, batch_level) in stats:
             row["throughput_at_batch"] = stats[name, batch_level]["output_throughput_tok_s"]
             row["throughput_over_offline_generate"] = ratio(row["throughput_at_batch"], off["batch_throughput_tok_s"])
+            row["ttft_bound_at_batch"] = stats[name, batch_level].get("ttft_bound")
         vs_offline.append(row)
         rows.append([name, own.threads[name], pre, row["ttft_ms"], row["ttft_over_offline_prefill"],
                      row["ttft_minus_1_15x_prefill_ms"], step, row["tpot_ms"], row["tpot_over_offline_step"],
@@ -408,6 +410,12 @@ def offline_comparison(args: argparse.Namespace, own: OwnServers, stats: dict, i
                 ["system", "threads/rank", "offline prefill ms", "TTFT ms", "TTFT / prefill", "TTFT - 1.15 prefill ms",
                  "offline step ms", "TPOT ms", "TPOT / step", f"offline gen({batch_c}) tok/s", "served tok/s",
                  "served / offline"], rows)
+    for row in vs_offline:
+        b = row.get("ttft_bound_at_batch")
+        if b:
+            print(f"{row['system']} at c={batch_c}: {b['within_bound']}/{b['requests_checked']} requests' TTFT within "
+                  f"{b['factor']} x (prefill queue + own prefill compute) + {b['slack_ms']:.0f} ms"
+                  + (f"; worst {b['worst_over_bound_ms']:.1f} ms over" if b['within_bound'] < b['requests_checked'] else ""))
     if len(own.clusters) > 1:
         print(f"TPOT at {first.label}: " + ", ".join(f"{n} {stats[n, first]['tpot_ms_p50']:.2f} ms"
                                                      for n in own.clusters))

@@ -82,6 +82,9 @@ def test_two_endpoints_side_by_side(servers, tmp_path):
         assert {"parse", "reserve", "prefill_compute", "kv_transfer", "detokenize"} <= set(stages), where
         assert sum(stages.values()) == pytest.approx(router_ttft, rel=1e-3), where
         assert 0 < router_ttft <= r["ttft_ms_mean"] + 0.5, where
+        # and per request: every completed request has its record, and TTFT <= its bound counts
+        b = r["ttft_bound"]
+        assert b["requests_checked"] == r["completed"] and 0 <= b["within_bound"] <= b["requests_checked"], where
     cluster_c1 = next(r for r in out["results"] if r["target"] == names[0] and r["level"] == "c=1")
     assert cluster_c1["ttft_stages_ms"]["prefill_compute"] > 0  # the cluster's prefill service reports its stages
     assert [(r["target"], r["level"]) for r in out["ratios_over_baseline"]] == [(names[1], "c=1"), (names[1], "c=4")]
@@ -169,6 +172,22 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert s["output_throughput_tok_s"] == 3.0
     assert summarise(results, 5, 0.0, None, None)["goodput_req_s"] == 1.5
     assert s["ttft_ms_p50"] == 10 and s["tpot_ms_p99"] == pytest.approx(49.1)
+
+
+def test_per_request_ttft_bound_uses_each_requests_own_breakdown():
+    """Issue 15: TTFT <= 1.2 x (prefill queue + own prefill compute) + 20 ms, request by request."""
+    from http_load import ttft_bound_check
+
+    def rec(queue, compute):
+        return {"stages_ms": {"prefill_queue": queue, "prefill_compute": compute, "kv_transfer": 9.0}}
+
+    results = [Result(0, ttft_ms=100.0, response_id="a"), Result(1, ttft_ms=400.0, response_id="b"),
+               Result(2, ttft_ms=50.0, response_id="c"), Result(3, ttft_ms=10.0, response_id="d", error="HTTP 500")]
+    records = {"a": rec(0.0, 70.0), "b": rec(200.0, 100.0), "d": rec(0.0, 1.0)}  # c: no record
+    out = ttft_bound_check(results, records)
+    # a: bound 1.2 * 70 + 20 = 104 >= 100; b: 1.2 * 300 + 20 = 380 < 400 (20 ms over)
+    assert (out["requests_checked"], out["within_bound"]) == (2, 1)
+    assert out["worst_over_bound_ms"] == pytest.approx(20.0)
 
 
 def test_stage_scrape_takes_one_ttft_and_sums_over_labels(monkeypatch):

@@ -780,6 +780,14 @@ def test_ttft_breakdown_adds_up_to_ttft(start_router):
     assert 0.03 <= per["reserve"] < 0.06
     # the stages are the whole TTFT: no time falls between them
     assert sum(per.values()) == pytest.approx(ttft / 3, abs=1e-4)
+    # the same breakdown per request (GET /debug/ttft), keyed by the response id
+    r = post(h, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2}).json()
+    records = get(h, "/debug/ttft").json()["requests"]
+    assert len(records) == 4 and records[-1]["id"] == r["id"]
+    rec = records[-1]
+    assert set(rec["stages_ms"]) == set(TTFT_STAGES)
+    assert rec["stages_ms"]["prefill_compute"] == pytest.approx(40.0)
+    assert sum(rec["stages_ms"].values()) == pytest.approx(rec["ttft_ms"], abs=0.1)
 
 
 def test_http_connections_send_without_nagle():

@@ -412,6 +412,13 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
                 "decode": rows("decode", cluster.decodes)}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    @app.get("/debug/ttft")
+    async def recent_ttft(request: Request) -> JSONResponse:
+        """The last requests' TTFT and its stages, per request (choice) id, oldest first: the
+        per-request view of cpserve_router_ttft_stage_seconds (bench/serving.py reads it)."""
+        check_key(request)
+        return JSONResponse({"requests": list(metrics.recent_ttft)})
+
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         await metrics.refresh()  # the services' rows and queues as they are now, not at the last poll

@@ -90,7 +90,7 @@ class CompletionRunner:
                     if event.index == 0:
                         cached = event.cached_tokens
                     delta = TokenDelta(event.id, event.index, text.push(event.id), event.logprob, event.prompt_logprobs)
-                    self._observe_token(token_times, clock, len(req.job.prompt_ids), cached)
+                    self._observe_token(token_times, clock, len(req.job.prompt_ids), cached, req.job.request_id)
                     if text.stopped:
                         outcome, reason = "ok", "stop"
                         yield delta
@@ -116,7 +116,8 @@ class CompletionRunner:
                 if len(token_times) > 1:
                     m.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
 
-    def _observe_token(self, token_times: list[float], clock: TtftClock, prompt_tokens: int, cached: int) -> None:
+    def _observe_token(self, token_times: list[float], clock: TtftClock, prompt_tokens: int, cached: int,
+                       request_id: str) -> None:
         m, now = self.metrics, time.perf_counter()
         m.generation_tokens.inc()
         if token_times:
@@ -129,6 +130,8 @@ class CompletionRunner:
         m.time_to_first_token.observe(now - clock.start)
         for stage in TTFT_STAGES:
             m.ttft_stage.labels(stage).observe(clock.stages.get(stage, 0.0))
+        m.recent_ttft.append({"id": request_id, "ttft_ms": (now - clock.start) * 1e3,
+                              "stages_ms": {k: clock.stages.get(k, 0.0) * 1e3 for k in TTFT_STAGES}})
         m.request_queue_time.observe(sum(clock.stages.get(stage, 0.0) for stage in QUEUE_STAGES))
         m.prompt_tokens.inc(prompt_tokens)
         m.prefix_cache_queries.inc(prompt_tokens)

@@ -20,6 +20,8 @@ transfer counters by the dispatcher (from each PrefillResponse).
 
 from __future__ import annotations
 
+import collections
+
 from typing import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -35,10 +37,14 @@ FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's; abort: the client went
 
 
 class RouterMetrics:
+    RECENT = 2048  # per-request TTFT breakdowns kept for GET /debug/ttft
+
     def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
         self.model_name = model_name
         self.before_scrape: list[Callable[[], Awaitable[None]]] = []  # refresh the service gauges
+        # the last RECENT requests' TTFT and stages, {"id", "ttft_ms", "stages_ms"}, oldest first
+        self.recent_ttft: collections.deque[dict] = collections.deque(maxlen=self.RECENT)
 
         # ---- vLLM's names, per served model -------------------------------------------------
         def per_model(kind, name: str, doc: str, **kw):
