@@ -84,15 +84,17 @@ class DCPDecodeEngine(Engine):
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, dcp, record_logits),
                          DCPRunner(self.group, prefill, trace))
         self.dcp, self.dtype, self.index_mode, self.page_size = dcp, dtype, indexer, page_size
-        self.reservations = ReservationTable(self.scheduler, lease_s, write_lease_s)
+        self.reservations = ReservationTable(self.scheduler, lease_s, write_lease_s,
+                                             lambda src, dst: self.group.call("copy_slots", src, dst))
         self.endpoints = tuple(self.group.call("endpoint")) if kv_transport else ()
 
     # ---- the KV hand-off (decode side) ---------------------------------------------------
-    def reserve(self, num_tokens: int, max_new_tokens: int) -> KvDestination:
-        """Reserve rows for a prompt; the returned destination tells a prefill group where to write."""
+    def reserve(self, num_tokens: int, max_new_tokens: int, num_forks: int = 1) -> KvDestination:
+        """Reserve rows for a prompt (decoded as ``num_forks`` forks); the returned destination
+        tells a prefill group where to write."""
         if not self.endpoints:
             raise ValueError("kv_transport: this decode engine was started without a KV transport")
-        r = self.reservations.reserve(num_tokens, max_new_tokens)
+        r = self.reservations.reserve(num_tokens, max_new_tokens, num_forks)
         return KvDestination(r.id, self.dcp, self.page_size, self.index_mode, tuple(r.slots.tolist()), 0,
                              self.endpoints, layout_fingerprint(self.cfg, self.dtype), r.expires_at)
 
@@ -104,11 +106,12 @@ class DCPDecodeEngine(Engine):
     def end_write(self, reservation_id: str) -> bool:
         return self.reservations.end_write(reservation_id)
 
-    def commit(self, reservation_id: str, prompt_ids: list[int], params, seed: int, first_token: int):
-        return self.reservations.commit(reservation_id, prompt_ids, params, seed, first_token)
+    def commit(self, reservation_id: str, prompt_ids: list[int], params, seed: int, first_token: int,
+               output_ids: list[int] = (), fork: int = 0):
+        return self.reservations.commit(reservation_id, prompt_ids, params, seed, first_token, output_ids, fork)
 
-    def abort_reservation(self, reservation_id: str) -> bool:
-        return self.reservations.abort(reservation_id)
+    def abort_reservation(self, reservation_id: str, fork: int | None = None) -> bool:
+        return self.reservations.abort(reservation_id, fork)
 
     def step(self):
         self.reservations.expire()
