@@ -329,6 +329,8 @@ def test_a_preempted_generation_resumes_on_a_new_reservation_with_the_same_token
 @pytest.mark.parametrize("case,field", [
     ("empty prompt", "prompt"), ("token id >= vocab", "prompt"), ("max_new_tokens 0", "max_new_tokens"),
     ("fingerprint", "dtype"), ("no destination", "destination"), ("index mode", "destination.index_mode"),
+    ("output id >= vocab", "output_ids"), ("output as long as max_new_tokens", "output_ids"),
+    ("forks of a resumed generation", "num_forks"), ("too many forks", "num_forks"),
 ])
 def test_bad_prefill_input_is_invalid_argument(services, case, field):
     prompt = prompts()[0][:10]
@@ -346,6 +348,14 @@ def test_bad_prefill_input_is_invalid_argument(services, case, field):
         request.ClearField("destination")
     elif case == "index mode":
         request.destination.index_mode = 0
+    elif case == "output id >= vocab":
+        request.output_ids[:] = [5, 320]
+    elif case == "output as long as max_new_tokens":
+        request.output_ids[:] = [5] * MAX_NEW
+    elif case == "forks of a resumed generation":
+        request.output_ids[:], request.num_forks = [5], 2
+    elif case == "too many forks":
+        request.num_forks = 100_000
     t0 = time.monotonic()
     code, details = code_and_details(lambda: services.prefill.Prefill(request, timeout=RPC_S))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details and time.monotonic() - t0 < 5
@@ -361,15 +371,32 @@ def test_bad_decode_input_is_invalid_argument(services):
         assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
     code, details = code_and_details(lambda: services.reserve(20_000, 4))  # more than the 8192-token cache
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_tokens" in details
+    for forks in (100_000, 256):  # more than any reservation may fork; more partial pages than the cache has
+        code, details = code_and_details(lambda: services.decode.Reserve(decode_pb2.ReserveRequest(
+            request_id="t", num_tokens=45, max_new_tokens=4, num_forks=forks), timeout=RPC_S))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_forks" in details
     prompt = prompts()[1]
     dest = services.reserve(len(prompt))
     first = prefill_pb2.PrefillResponse(first_token=400, seed=1)
     code, details = code_and_details(lambda: list(services.generate(dest, prompt, first)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "first_token" in details
+
+    def generate(outputs: list[int], fork: int):
+        return list(services.decode.Generate(decode_pb2.GenerateRequest(
+            reservation_id=dest.reservation_id, prompt_ids=prompt[:len(prompt) - len(outputs)], sampling=greedy(),
+            seed=1, first_token=5, output_ids=outputs, fork=fork), timeout=RPC_S))
+
+    code, details = code_and_details(lambda: generate([320], 0))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "output_ids" in details
     # Generate before any write: the reservation is not being written
     first = prefill_pb2.PrefillResponse(first_token=5, seed=1)
     code, details = code_and_details(lambda: list(services.generate(dest, prompt, first)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and dest.reservation_id in details
+    ref = decode_pb2.ReservationRef(reservation_id=dest.reservation_id)
+    services.decode.BeginWrite(ref, timeout=RPC_S)
+    services.decode.EndWrite(ref, timeout=RPC_S)
+    code, details = code_and_details(lambda: generate([], 3))  # a one-fork reservation has no fork 3
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "fork" in details
     services.decode.Abort(decode_pb2.ReservationRef(reservation_id=dest.reservation_id), timeout=RPC_S)
     services.wait_rows_free()
 

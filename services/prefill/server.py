@@ -170,16 +170,16 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             prompt, outputs = list(request.prompt_ids), list(request.output_ids)
             params = sampling_from_proto(request.sampling, self.cfg.eos_token_ids)
             validate_prompt(prompt, params, self.cfg.vocab_size, self.cfg.max_position_embeddings, outputs)
-            if not request.HasField("destination"):
-                raise InvalidRequest("destination", "is missing")
-            dest = destination_from_proto(request.destination)
-            check_fingerprint(self.fingerprint, dest.fingerprint)
-            dest.validate_for(len(prompt) + len(outputs))
             num_forks = max(request.num_forks, 1)
             if num_forks > MAX_FORKS:
                 raise InvalidRequest("num_forks", f"must be at most {MAX_FORKS}, got {num_forks}")
             if num_forks > 1 and outputs:
                 raise InvalidRequest("num_forks", "a resumed generation (output_ids) is one fork")
+            if not request.HasField("destination"):
+                raise InvalidRequest("destination", "is missing")
+            dest = destination_from_proto(request.destination)
+            check_fingerprint(self.fingerprint, dest.fingerprint)
+            dest.validate_for(len(prompt) + len(outputs))
             arrived = time.perf_counter()
             fut = self.loop.submit(lambda e: self._prefill(e, prompt, params, dest, request.destination.decode_address,
                                                            context.is_active, outputs, num_forks), admit=True)
