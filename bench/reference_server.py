@@ -175,6 +175,9 @@ def _backend_classes():
             self.core = core
 
         async def prefill(self, job, destination: _Request, timeout: float) -> FirstToken:
+            if job.num_forks > 1:  # one engine request per job: its samples are not forks here
+                raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, "n: the reference server takes n = 1",
+                                   "reference")
             params = sampling_from_proto(job.sampling, tuple(self.core.cfg.eos_token_ids))
             seed = await self.core.run(lambda e: self.core._add(e, destination, list(job.prompt_ids), params),
                                        admit=True)
@@ -202,7 +205,7 @@ def _backend_classes():
             req = _Request(f"local-{next(self.core._ids)}", asyncio.Queue())
             return Reservation(req.id, req)
 
-        async def generate(self, job, reservation: Reservation, first: FirstToken, timeout: float):
+        async def generate(self, job, reservation: Reservation, start, timeout: float, fork: int = 0):
             req: _Request = reservation.destination
             finished = False
             try:
@@ -217,7 +220,7 @@ def _backend_classes():
                 if not finished:
                     self.core.loop.post(lambda e: self.core._cancel(e, req))
 
-        async def abort(self, reservation: Reservation, timeout: float) -> None:
+        async def abort(self, reservation: Reservation, timeout: float, fork: int | None = None) -> None:
             self.core.loop.post(lambda e: self.core._cancel(e, reservation.destination))
 
         async def status(self, timeout: float) -> DecodeLoad:

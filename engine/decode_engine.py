@@ -98,15 +98,18 @@ class DCPDecodeEngine(Engine):
                          DCPRunner(self.group, prefill, trace))
         self.dcp, self.dtype, self.index_mode, self.page_size = dcp, dtype, indexer, page_size
         self.pipelined = pipelined
-        self.reservations = ReservationTable(self.scheduler, lease_s, write_lease_s)
+        self._stashed: list = []  # events of a step collected early by quiesced(), for the next step()
+        self.reservations = ReservationTable(self.scheduler, lease_s, write_lease_s,
+                                             lambda src, dst: self.quiesced("copy_slots", src, dst))
         self.endpoints = tuple(self.group.call("endpoint")) if kv_transport else ()
 
     # ---- the KV hand-off (decode side) ---------------------------------------------------
-    def reserve(self, num_tokens: int, max_new_tokens: int) -> KvDestination:
-        """Reserve rows for a prompt; the returned destination tells a prefill group where to write."""
+    def reserve(self, num_tokens: int, max_new_tokens: int, num_forks: int = 1) -> KvDestination:
+        """Reserve rows for a prompt (decoded as ``num_forks`` forks); the returned destination
+        tells a prefill group where to write."""
         if not self.endpoints:
             raise ValueError("kv_transport: this decode engine was started without a KV transport")
-        r = self.reservations.reserve(num_tokens, max_new_tokens)
+        r = self.reservations.reserve(num_tokens, max_new_tokens, num_forks)
         return KvDestination(r.id, self.dcp, self.page_size, self.index_mode, tuple(r.slots.tolist()), 0,
                              self.endpoints, layout_fingerprint(self.cfg, self.dtype), r.expires_at)
 
@@ -118,11 +121,12 @@ class DCPDecodeEngine(Engine):
     def end_write(self, reservation_id: str) -> bool:
         return self.reservations.end_write(reservation_id)
 
-    def commit(self, reservation_id: str, prompt_ids: list[int], params, seed: int, first_token: int):
-        return self.reservations.commit(reservation_id, prompt_ids, params, seed, first_token)
+    def commit(self, reservation_id: str, prompt_ids: list[int], params, seed: int, first_token: int,
+               output_ids: list[int] = (), fork: int = 0):
+        return self.reservations.commit(reservation_id, prompt_ids, params, seed, first_token, output_ids, fork)
 
-    def abort_reservation(self, reservation_id: str) -> bool:
-        return self.reservations.abort(reservation_id)
+    def abort_reservation(self, reservation_id: str, fork: int | None = None) -> bool:
+        return self.reservations.abort(reservation_id, fork)
 
     def step(self):
         """One engine step. Pipelined (the decode service): collect the decode step in flight,
@@ -137,10 +141,8 @@ class DCPDecodeEngine(Engine):
         self.reservations.expire()
         if not self.pipelined:
             return super().step()
-        events = []
-        if self.group.pending:
-            events = self.scheduler.apply(self.runner.collect())
-            self.scheduler.step_collected()
+        self._collect()
+        events, self._stashed = self._stashed, []
         plan = self.scheduler.next_plan()
         if plan is None:
             return events
@@ -150,7 +152,20 @@ class DCPDecodeEngine(Engine):
         self.scheduler.in_flight = frozenset(it.req_id for it in plan.items)
         return events
 
+    def _collect(self) -> None:
+        """Collect the step in flight, if any, and apply its tokens (their events wait in
+        ``_stashed`` for the next ``step``)."""
+        if self.group.pending:
+            self._stashed += self.scheduler.apply(self.runner.collect())
+            self.scheduler.step_collected()
+
+    def quiesced(self, method: str, *args):
+        """A command to every rank between steps: the step in flight (pipelined) is collected
+        first, since the ranks take one call at a time."""
+        self._collect()
+        return self.group.call(method, *args)
+
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.group.pending
+        return self.scheduler.has_work or self.group.pending or bool(self._stashed)
 

@@ -90,13 +90,19 @@ class CPPrefillEngine(Engine):
     # ---- the KV hand-off (prefill side) --------------------------------------------------
     def submit_prefill(self, prompt_ids: list[int], params: SamplingParams, dest: KvDestination,
                        before_write: Callable[[], None] | None = None,
-                       after_write: Callable[[], None] | None = None) -> "PendingPrefill":
+                       after_write: Callable[[], None] | None = None, output_ids: list[int] = (),
+                       num_forks: int = 1) -> "PendingPrefill":
         """Queue a prefill whose KV goes to `dest`. The layout is checked here, before any
         compute. Requests submitted together are prefilled in the same forwards (batched);
-        `finish_ready()` after each `step()` hands off the ones whose prompt is done."""
+        `finish_ready()` after each `step()` hands off the ones whose prompt is done.
+        ``output_ids``: a resumed generation's tokens so far, prefilled (and sent) after the
+        prompt; the token sampled is the next one. ``num_forks``: forks 1.. get a first token
+        too (``Sequence.fork_starts``)."""
         check_fingerprint(self.fingerprint, dest.fingerprint)
-        dest.validate_for(len(prompt_ids))
-        seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1, min_tokens=min(params.min_tokens, 1)))
+        dest.validate_for(len(prompt_ids) + len(output_ids))
+        step = len(output_ids) + 1  # only the next token is sampled here
+        seq = self.scheduler.add(prompt_ids, replace(params, max_new_tokens=step,
+                                                     min_tokens=min(params.min_tokens, step)), output_ids, num_forks)
         seq.keep_pages = True
         pending = PendingPrefill(seq, dest, before_write, after_write=after_write)
         self.pending.append(pending)
@@ -156,7 +162,7 @@ class CPPrefillEngine(Engine):
                 self.cancel_pending(p, error=e)
 
     def _plan(self, p: "PendingPrefill", src_slots: list[int]) -> dict:
-        n, dest = len(p.seq.prompt_ids), p.dest
+        n, dest = len(p.seq.prefill_ids), p.dest
         return writes_by_rank(plan_transfer(
             num_tokens=n, prefill_cp=self.cp, layer_split=self.layer_split, num_layers=self.cfg.num_layers,
             indexer_layers=list(self.cfg.indexer_layer_ids), src_slots=src_slots, decode_dcp=dest.dcp,
@@ -193,7 +199,7 @@ class CPPrefillEngine(Engine):
             if p.before_write is not None:
                 p.before_write()
             p.cleared = True
-            n = len(p.seq.prompt_ids)
+            n = len(p.seq.prefill_ids)
             results = self.group.call("push", self._plan(p, self.scheduler.slots(p.seq, n).tolist()), p.dest)
         p.transfer_stats = self.transfer_stats = results
         p.written_at = time.perf_counter()

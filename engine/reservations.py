@@ -2,12 +2,16 @@
 
 Life cycle::
 
-    reserved ──begin_write──▶ writing ──end_write──▶ written ──commit──▶ (a running request)
-       │                        │  └──────────────commit───────────────▶
+    reserved ──begin_write──▶ writing ──end_write──▶ written ──commit──▶ forking ──▶ (running requests)
+       │                        │  └──────────────commit───────────────▶    │ every fork committed
+       │                        │                                           │ or aborted: gone
        └─abort/lapse: freed     └─abort: aborting (quarantined) ──end_write / lapse──▶ freed
 
-- ``reserve`` takes pages for prompt + max_new_tokens from the decode scheduler's allocator and
-  starts a lease (``lease_s``): unless a write begins before it ends, the rows go back.
+- ``reserve`` takes pages for the prompt only — generation pages come later, one at a time, as
+  each request's tokens need them (engine/scheduler.py) — and starts a lease (``lease_s``):
+  unless a write begins before it ends, the rows go back. It leaves a page free for each running
+  request and for each of its own forks (``headroom_pages``), so that reservations, which hold
+  their pages while prefill computes, do not take the pages the running batch grows into.
 - ``begin_write`` claims the rows when the prefill group starts the request and, called again,
   is its heartbeat (per chunk, and right before it writes): each call runs the write lease to
   ``write_timeout_s`` from now, so a long prefill keeps its rows while a stalled or dead writer
@@ -19,7 +23,17 @@ Life cycle::
   then the rows are quarantined — kept out of the free pool, so no late write of the aborted
   request can land in rows another request owns — until the writer's ``end_write`` or the
   write lease lapses.
-- ``commit`` hands the rows to the scheduler as a running request.
+- ``commit`` hands the rows to the scheduler as a running request, one fork at a time (a
+  reservation of one fork is gone at its commit, as before forks existed).
+
+Forks (``n`` samples of one prompt, written once by prefill): fork j runs with the prompt's
+full pages, shared by every fork (reference-counted by the allocator), and its own copy of the
+last, partial page (fork 0 the original, fork j ≥ 1 a page reserved with the prompt and filled
+at its commit by copying the prompt's rows of that page: copy-on-write at the fork). A prompt
+that fills whole pages needs no copy. Rows: ``ceil(P / span) + (n - 1) · [P mod span ≠ 0]``
+pages of span = page_size · C tokens at Reserve, then each fork's generated tokens. Each fork is
+committed (or aborted) on its own; the reservation holds the prompt's pages until every fork
+is, so the original partial page outlives the copies made from it.
 
 Every transition is logged at debug level with the reservation id.
 """
@@ -28,7 +42,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -43,10 +58,19 @@ logger = logging.getLogger("cpserve.reservations")
 class Reservation:
     id: str
     num_tokens: int
-    pages: list[int]
-    slots: torch.Tensor
-    state: str  # reserved | writing | written | aborting (then gone: committed | freed)
+    num_forks: int
+    shared: list[int]  # the prompt's full pages, used by every fork
+    tails: list[int | None]  # per fork, its copy of the prompt's last, partial page (None: handed to
+    #                          the fork; empty list: the prompt fills whole pages)
+    slots: torch.Tensor  # group slot of each prompt token (fork 0's pages)
+    state: str  # reserved | writing | written | forking | aborting (then gone: committed | freed)
     deadline: float  # time.monotonic()
+    waiting: set[int] = field(default_factory=set)  # forks neither committed nor aborted
+
+    @property
+    def prompt_pages(self) -> list[int]:
+        """Where the prompt was written (fork 0's pages); held by the reservation to its end."""
+        return self.shared + self.tails[:1]
 
     @property
     def expires_at(self) -> float:
@@ -54,28 +78,58 @@ class Reservation:
         return time.time() + (self.deadline - time.monotonic())
 
 
+def _no_copies(src: torch.Tensor, dst: torch.Tensor) -> None:
+    raise ValueError("num_forks: this decode engine cannot copy rows between pages")
+
+
 class ReservationTable:
-    def __init__(self, scheduler: Scheduler, lease_s: float = 30.0, write_timeout_s: float = 60.0):
+    """``copy_slots(src, dst)``: copies the cache entries of group slots ``src`` to ``dst`` on
+    every rank (a fork's copy of the prompt's partial page), before the next decode step."""
+
+    def __init__(self, scheduler: Scheduler, lease_s: float = 30.0, write_timeout_s: float = 60.0,
+                 copy_slots: Callable[[torch.Tensor, torch.Tensor], None] = _no_copies):
         self.scheduler, self.lease_s, self.write_timeout_s = scheduler, lease_s, write_timeout_s
+        self.copy_slots = copy_slots
         self.active: dict[str, Reservation] = {}
 
-    def reserve(self, num_tokens: int, max_new_tokens: int) -> Reservation:
+    @property
+    def span(self) -> int:
+        """Tokens per virtual page (page_size · C)."""
+        return self.scheduler.page_size * self.scheduler.group_size
+
+    def headroom_pages(self, need: int, num_forks: int = 1) -> int:
+        """Pages a reservation of ``need`` must leave free: one per running request and one per
+        fork of its own, or — for a prompt too long for that — every other page (an otherwise
+        idle cache)."""
+        return min(len(self.scheduler.running) + num_forks, self.scheduler.allocator.num_pages - need)
+
+    def reserve(self, num_tokens: int, max_new_tokens: int, num_forks: int = 1) -> Reservation:
         self.expire()
         if num_tokens < 1:
             raise BadReservation(f"num_tokens: must be >= 1, got {num_tokens}")
+        if num_forks < 1:
+            raise BadReservation(f"num_forks: must be >= 1, got {num_forks}")
+        sched, alloc = self.scheduler, self.scheduler.allocator
         total = num_tokens + max_new_tokens
-        need = self.scheduler._pages_for(total)
-        if need > self.scheduler.allocator.num_pages:
+        if sched._pages_for(total) > alloc.num_pages:
             raise BadReservation(f"num_tokens: {total} tokens exceed this decode service's "
-                                 f"{self.scheduler.capacity_tokens}-token cache")
-        if not self.scheduler.allocator.can_allocate(need):
+                                 f"{sched.capacity_tokens}-token cache")
+        full, partial = divmod(num_tokens, self.span)
+        need = full + (num_forks if partial else 0)
+        if need > alloc.num_pages:
+            raise BadReservation(f"num_forks: {num_forks} forks of {num_tokens} tokens need {need} pages; this "
+                                 f"decode service has {alloc.num_pages}")
+        if not alloc.can_allocate(need + self.headroom_pages(need, num_forks)):
             raise NoCapacity("capacity: no free cache rows now; retry later")
-        pages = self.scheduler.allocator.allocate(need)
-        r = Reservation(new_reservation_id(), num_tokens, pages,
-                        self.scheduler.slots(Sequence(0, [], SamplingParams(), 0, frozenset(), pages=pages), num_tokens),
-                        "reserved", time.monotonic() + self.lease_s)
+        pages = alloc.allocate(need)
+        r = Reservation(new_reservation_id(), num_tokens, num_forks, pages[:full], pages[full:],
+                        self._slots(pages[:full + 1], num_tokens), "reserved", time.monotonic() + self.lease_s,
+                        set(range(num_forks)))
         self.active[r.id] = r
         return r
+
+    def _slots(self, pages: list[int], num_tokens: int) -> torch.Tensor:
+        return self.scheduler.slots(Sequence(0, [], SamplingParams(), 0, frozenset(), pages=pages), num_tokens)
 
     def _get(self, rid: str, *states: str) -> Reservation:
         self.expire()
@@ -91,10 +145,12 @@ class ReservationTable:
         r.state = state
 
     def _free(self, r: Reservation, why: str) -> None:
+        """The reservation ends: its holds on the prompt's pages and on the page copies of forks
+        that never ran go back (a committed fork holds its own)."""
         del self.active[r.id]
         logger.debug("reservation %s: %s -> freed (%s)", r.id, r.state, why)
         r.state = "freed"
-        self.scheduler.allocator.free(r.pages)
+        self.scheduler.allocator.free(r.prompt_pages + [p for p in r.tails[1:] if p is not None])
 
     def begin_write(self, rid: str) -> Reservation:
         """Claim the rows for writing, or — called again while writing — renew the write lease
@@ -120,20 +176,47 @@ class ReservationTable:
             r.deadline = time.monotonic() + self.lease_s  # for Generate to commit it
         return True
 
-    def commit(self, rid: str, prompt_ids: list[int], params: SamplingParams, seed: int,
-               first_token: int) -> Sequence:
-        r = self._get(rid, "writing", "written")
-        if len(prompt_ids) != r.num_tokens:
-            raise BadReservation(f"prompt: {len(prompt_ids)} tokens, but reservation {rid} holds {r.num_tokens}")
-        del self.active[rid]
-        self._move(r, "committed")
-        return self.scheduler.adopt(prompt_ids, params, seed, r.pages, first_token)
+    def commit(self, rid: str, prompt_ids: list[int], params: SamplingParams, seed: int, first_token: int,
+               output_ids: list[int] = (), fork: int = 0) -> Sequence:
+        """Fork ``fork`` of the reservation joins the running batch (a resumed generation:
+        ``output_ids``, its tokens before it was preempted, are in the rows after the prompt).
+        A fork j ≥ 1 whose prompt ends in a partial page gets its copy of that page now."""
+        r = self._get(rid, "writing", "written", "forking")
+        if fork not in r.waiting:
+            why = "already committed or aborted" if 0 <= fork < r.num_forks else f"not one of its {r.num_forks} forks"
+            raise BadReservation(f"fork: {fork} of reservation {rid} is {why}")
+        if len(prompt_ids) + len(output_ids) != r.num_tokens:
+            raise BadReservation(f"prompt: {len(prompt_ids) + len(output_ids)} tokens, but reservation {rid} "
+                                 f"holds {r.num_tokens}")
+        if fork == 0 or not r.tails:
+            pages = r.prompt_pages
+            self.scheduler.allocator.share(pages)  # the fork's hold; the reservation keeps its own
+        else:
+            pages = r.shared + [r.tails[fork]]
+            self.scheduler.allocator.share(r.shared)
+            r.tails[fork] = None  # the reservation's hold on the copy passes to the fork
+            n = len(r.shared) * self.span
+            self.copy_slots(r.slots[n:], self._slots(pages, r.num_tokens)[n:])
+        r.waiting.discard(fork)
+        self._move(r, "forking")
+        r.deadline = max(r.deadline, time.monotonic() + self.lease_s)  # for the other forks to commit
+        shared = len(r.shared) * self.span if r.num_forks > 1 else 0
+        seq = self.scheduler.adopt(prompt_ids, params, seed, pages, first_token, list(output_ids),
+                                   r.id if shared else None, shared)
+        if not r.waiting:
+            self._free(r, "every fork committed or aborted")
+        return seq
 
-    def abort(self, rid: str) -> bool:
-        """Abort ``rid``: its rows go back now, or once its writer has stopped (quarantine)."""
+    def abort(self, rid: str, fork: int | None = None) -> bool:
+        """Abort ``rid`` (``fork``: only that fork; the others may still commit). Once no fork is
+        left to commit, its rows go back now, or — none committed and a writer may still be
+        writing — once the writer has stopped (quarantine)."""
         r = self.active.get(rid)
-        if r is None:
+        if r is None or (fork is not None and fork not in r.waiting):
             return False
+        r.waiting -= set(r.waiting) if fork is None else {fork}
+        if r.waiting:
+            return True
         if r.state == "writing":
             self._move(r, "aborting")  # rows stay allocated until end_write or the write lease lapses
         elif r.state != "aborting":

@@ -1,9 +1,15 @@
 """The scheduler: one request object per request, admission by free cache pages, and step
 plans (prefill chunks first, else one decode step for every running request).
 
-It only asks the allocator (``can_allocate``) and orders (``allocate``/``free``); where a
-slot lives is the runner's business. Cache pages for prompt + max_new_tokens are reserved at
-admission, so a running request never runs out of cache.
+It only asks the allocator (``can_allocate``) and orders (``allocate``/``share``/``free``);
+where a slot lives is the runner's business. Requests it admits itself (``add``: the reference
+and the prefill engine) get pages for prompt + max_new_tokens at admission, so they never run
+out of cache. Requests adopted with their prompt already cached (``adopt``: the decode service)
+hold the prompt's pages only and get one more page when their next token needs it; when none
+is free, the request that joined the batch last is preempted (``preempted``): its pages are
+freed and it ends with finish reason ``"preempted"``, which the decode service reports so that
+its router resumes it elsewhere (prompt + the tokens so far prefilled again). The request that
+joined first is never preempted for a later one, so the batch always makes progress.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from engine.model.config import ModelConfig
 from engine.model.sampler import InvalidRequest, SamplingParams, TokenLogprob, process_logits, sample, token_logprob
 from engine.plan import ChunkItem, DecodeItem, StepPlan
 from engine.runner import merge_scores
+
+MAX_FORKS = 256  # samples of one prompt decoded as forks (the router's n is at most 16)
 
 
 @dataclass
@@ -44,10 +52,24 @@ class Sequence:
     slot_cache: tuple | None = None  # (page list, its length, slots of all its positions): Scheduler.slots
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
     prompt_scores: list[tuple] = field(default_factory=list)  # score blocks (runner.split_scores), any order
+    # a resumed (preempted) generation: output tokens it had generated, prefilled after the prompt
+    num_resumed: int = 0
+    # prefill: samples of this prompt decoded as forks; fork j samples with seed + j, and its first
+    # token is drawn here from the same logits: (token, seed, TokenLogprob or None) of forks 1..
+    num_forks: int = 1
+    fork_starts: list[tuple] = field(default_factory=list)
+    # decode: leading tokens held in pages shared with the other forks of reservation ``group``
+    shared_tokens: int = 0
+    group: str | None = None
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens a prefill computes: the prompt, and a resumed generation's earlier output."""
+        return self.prompt_ids + self.output_ids[: self.num_resumed] if self.num_resumed else self.prompt_ids
 
     def prompt_logprobs(self) -> list[TokenLogprob]:
         """Prompt tokens 1.. (the first has no context) scored, in order (params.prompt_logprobs)."""
@@ -58,7 +80,7 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        return self.num_computed < len(self.prompt_ids) + self.num_resumed
 
     @property
     def is_finished(self) -> bool:
@@ -74,14 +96,20 @@ class Sequence:
         return (t[-1] - t[0]) * 1e3 / (len(t) - 1) if len(t) > 1 else float("nan")
 
 
-def validate_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int) -> None:
-    """Checks shared by every engine and service front; raises InvalidRequest naming the field."""
+def validate_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int,
+                    output_ids: list[int] = ()) -> None:
+    """Checks shared by every engine and service front; raises InvalidRequest naming the field.
+    ``output_ids``: a resumed generation's tokens so far (fewer than max_new_tokens)."""
     if not prompt_ids:
         raise InvalidRequest("prompt", "must not be empty")
-    bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest("prompt", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    for name, ids in (("prompt", prompt_ids), ("output_ids", output_ids)):
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(name, f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
     params.validate(vocab_size)
+    if len(output_ids) >= params.max_new_tokens:
+        raise InvalidRequest("output_ids", f"{len(output_ids)} tokens already generated; max_new_tokens is "
+                                           f"{params.max_new_tokens}")
     if len(prompt_ids) + params.max_new_tokens > max_positions:
         raise InvalidRequest(
             "max_new_tokens",
@@ -106,7 +134,8 @@ class Scheduler:
         self.allocator = PageAllocator(num_pages)
         self.prefix = PrefixCache(self.allocator, page_size * group_size) if prefix_cache else None
         self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in the order they joined the batch
+        self.preempted: list[Sequence] = []  # ended for want of a page since the caller last took them
         self.by_id: dict[int, Sequence] = {}
         self._ids = itertools.count()
         # ids in a step submitted to ranks and not yet collected (a pipelined engine): their
@@ -122,28 +151,45 @@ class Scheduler:
         return pages_needed(num_tokens, self.page_size, self.group_size)
 
     # ---- requests ------------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        validate_prompt(prompt_ids, params, self.cfg.vocab_size, self.cfg.max_position_embeddings)
+    def add(self, prompt_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
+            num_forks: int = 1) -> Sequence:
+        """Queue a request. ``output_ids``: a resumed generation's tokens so far (prefilled after
+        the prompt, counted as output by sampling); ``num_forks``: its first token is also drawn
+        for forks 1.. (``Sequence.fork_starts``)."""
+        validate_prompt(prompt_ids, params, self.cfg.vocab_size, self.cfg.max_position_embeddings, output_ids)
+        if not 1 <= num_forks <= MAX_FORKS:
+            raise InvalidRequest("num_forks", f"must be in [1, {MAX_FORKS}], got {num_forks}")
         total = len(prompt_ids) + params.max_new_tokens
         if self._pages_for(total) > self.allocator.num_pages:
             raise InvalidRequest("prompt", f"prompt plus max_new_tokens is {total} tokens; the cache holds "
                                            f"{self.capacity_tokens}")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
-        seq = Sequence(next(self._ids), list(prompt_ids), params, seed, self._stop_ids(params))
+        seq = Sequence(next(self._ids), list(prompt_ids), params, seed, self._stop_ids(params),
+                       output_ids=list(output_ids), num_resumed=len(output_ids), num_forks=num_forks)
         self.waiting.append(seq)
         self.by_id[seq.id] = seq
         return seq
 
     def adopt(self, prompt_ids: list[int], params: SamplingParams, seed: int, pages: list[int],
-              first_token: int) -> Sequence:
-        """A request whose prompt is already in the cache (KV sent by a prefill service) and whose
-        first token is sampled: it joins the running batch at its first decode step."""
+              first_token: int, output_ids: list[int] = (), group: str | None = None,
+              shared_tokens: int = 0) -> Sequence:
+        """A request whose prompt (and, resumed, its earlier ``output_ids``) is already in the
+        cache (KV sent by a prefill service) and whose next token is sampled: it joins the running
+        batch at its next decode step. It holds ``pages`` (the caller's holders of them pass to
+        it); later pages come as its tokens need them. ``group``/``shared_tokens``: a fork whose
+        first ``shared_tokens`` tokens are in pages it shares with the other forks of ``group``."""
         seq = Sequence(next(self._ids), list(prompt_ids), params, seed, self._stop_ids(params),
-                       num_computed=len(prompt_ids), pages=list(pages))
+                       output_ids=list(output_ids), num_computed=len(prompt_ids) + len(output_ids),
+                       pages=list(pages), shared_tokens=shared_tokens, group=group)
         self.by_id[seq.id] = seq
         self.running.append(seq)
         self._append(seq, first_token)
         return seq
+
+    def take_preempted(self) -> list[Sequence]:
+        """The requests preempted since the last call (finish reason "preempted")."""
+        out, self.preempted = self.preempted, []
+        return out
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.waiting:
@@ -164,7 +210,7 @@ class Scheduler:
                     break
                 seq.pages = self.allocator.allocate(need)
             else:  # a request that scores its prompt computes all of it
-                shared = [] if seq.params.prompt_logprobs is not None else self.prefix.match(seq.prompt_ids)
+                shared = [] if seq.params.prompt_logprobs is not None else self.prefix.match(seq.prefill_ids)
                 fresh = self.prefix.allocate(need - len(shared))
                 if fresh is None:
                     self.prefix.release(shared, seq.prompt_ids, prompt_done=False)
@@ -191,7 +237,7 @@ class Scheduler:
             if self.prefix is None:
                 self.allocator.free(seq.pages)
             else:
-                self.prefix.release(seq.pages, seq.prompt_ids, prompt_done=not seq.is_prefilling)
+                self.prefix.release(seq.pages, seq.prefill_ids, prompt_done=not seq.is_prefilling)
             seq.pages = []
 
     def step_collected(self) -> None:
@@ -220,21 +266,39 @@ class Scheduler:
         if prefill:
             return self._extend_plan(prefill)
         if self.running:
+            self._grow()
+        if self.running:
             return self._decode_plan(list(self.running))
         return None
+
+    def _grow(self) -> None:
+        """Every running request gets the pages its next token needs, earliest first; with none
+        free, the request that joined last is preempted (see the module docstring)."""
+        for seq in list(self.running):
+            while not seq.is_finished and self._pages_for(len(seq.all_ids)) > len(seq.pages):
+                if self.allocator.can_allocate(1):
+                    seq.pages.append(self.allocator.allocate(1)[0])
+                else:
+                    self.preempt(self.running[-1])
+
+    def preempt(self, seq: Sequence) -> None:
+        """End ``seq`` for want of cache: its pages are freed; it goes to ``preempted``."""
+        self.finish(seq, "preempted")
+        self.preempted.append(seq)
 
     def _extend_plan(self, seqs: list[Sequence]) -> StepPlan:
         budget, items = self.chunk_size, []
         for seq in seqs:
             if budget == 0:
                 break
-            n = min(len(seq.prompt_ids) - seq.num_computed, budget)
+            ids = seq.prefill_ids
+            n = min(len(ids) - seq.num_computed, budget)
             budget -= n
             start = seq.num_computed
             score = seq.params.prompt_logprobs
-            items.append(ChunkItem(seq.id, seq.prompt_ids[start : start + n], start, self.slots(seq, start + n),
-                                   start + n == len(seq.prompt_ids), -1 if score is None else score,
-                                   tuple(seq.prompt_ids[start + 1 : start + n + 1]) if score is not None else ()))
+            items.append(ChunkItem(seq.id, ids[start : start + n], start, self.slots(seq, start + n),
+                                   start + n == len(ids), -1 if score is None else score,
+                                   tuple(ids[start + 1 : start + n + 1]) if score is not None else ()))
             seq.num_computed = start + n
         return StepPlan("extend", items)
 
@@ -270,19 +334,29 @@ class Scheduler:
             if self.record_logits:
                 seq.logits.append(row.clone())
             params = seq.params
-            if isinstance(row, int):
+            picked = row
+            if isinstance(row, int):  # the runner's argmax (plain greedy)
                 token = row
             elif i in argmax:
                 token = argmax[i]
             else:
-                picked = process_logits(row, params, seq.prompt_ids, seq.output_ids, seq.stop_ids) \
-                    if params.processed else row
+                if params.processed:
+                    picked = process_logits(row, params, seq.prompt_ids, seq.output_ids, seq.stop_ids)
                 token = sample(picked, params, seq.seed, len(seq.output_ids))
             if params.logprobs is not None:
                 seq.logprobs.append(token_logprob(row, token, params.logprobs))
+            if seq.num_forks > 1:
+                seq.fork_starts = [self._fork_start(seq, row, picked, token, j) for j in range(1, seq.num_forks)]
             self._append(seq, token)
             events.append((seq, token))
         return events
+
+    def _fork_start(self, seq: Sequence, row: torch.Tensor, picked: torch.Tensor, token: int, j: int) -> tuple:
+        """Fork j's first token, drawn from the same (processed) logits with seed + j."""
+        params, seed = seq.params, (seq.seed + j) % 2**63
+        if not params.greedy:
+            token = sample(picked, params, seed, len(seq.output_ids))
+        return token, seed, token_logprob(row, token, params.logprobs) if params.logprobs is not None else None
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         return frozenset(self.cfg.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)

@@ -218,7 +218,11 @@ def build_parser_serve_router(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=None, help="per request (600)")
     p.add_argument("--rpc-timeout-s", type=float, default=None, help="health/Status/Abort calls (5)")
     p.add_argument("--health-interval-s", type=float, default=None, help="service polling period (2)")
-    p.add_argument("--default-max-tokens", type=int, default=None, help="when a request has no max_tokens (16)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="when a request has no max_tokens (default: up to the context limit)")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="requests that may wait for decode rows before a 429 (256)")
+    p.add_argument("--max-wait-s", type=float, default=None, help="how long a request waits for decode rows (30)")
     add_model_serving_args(p)
     p.set_defaults(handler=run_serve_router, cmd_parser=p)
     return p

@@ -101,14 +101,15 @@ def body(ids: list[int]) -> dict:
 
 
 def run_request(client: httpx.Client, url: str, ids: list[int], busy_wait_s: float = 60.0) -> list[int] | str:
-    """One streamed completion: its token ids, or what went wrong ("error ..."). A 503 for want
-    of cache rows (held by running or quarantined requests) is retried for ``busy_wait_s``."""
+    """One streamed completion: its token ids, or what went wrong ("error ..."). A 429 for want
+    of cache rows (held by running or quarantined requests past the router's bounded wait) or a
+    503 is retried for ``busy_wait_s``."""
     deadline = time.monotonic() + busy_wait_s
     while True:
         got: list[int] = []
         try:
             with client.stream("POST", url, json=body(ids)) as resp:
-                if resp.status_code == 503 and time.monotonic() < deadline:
+                if resp.status_code in (429, 503) and time.monotonic() < deadline:
                     resp.read()
                     time.sleep(0.05)
                     continue

@@ -23,8 +23,8 @@ import pytest
 
 from services.protos import (common_pb2, decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc, router_pb2,
                              router_pb2_grpc)
-from services.router.backend import (BackendError, DecodeClient, DecodeLoad, Done, FirstToken, Job, PrefillClient,
-                                     PrefillLoad, Reservation, Token)
+from services.router.backend import (BackendError, DecodeClient, DecodeLoad, Done, FirstToken, ForkStart, Job,
+                                     PrefillClient, PrefillLoad, Reservation, Token)
 from services.common.config import RouterConfig
 from services.router.pairing import Cluster, Endpoint, pick_pair
 from services.router.params import stop_token_set
@@ -69,8 +69,11 @@ class FakePrefill(PrefillClient):
         assert destination["reservation"]  # the router passes the decode's destination through
         if self.fail:
             raise self.fail
-        return FirstToken(reply(job, self.eos_at, self.text_ids)[0][0], 1234, prefill_ms=3.0, transfer_bytes=1000,
-                          transfer_ms=2.0, cached_tokens=self.cached_tokens)
+        # the next token (a resumed job's: after its output so far); every fork starts alike (seed 1234 + j)
+        token = reply(job, self.eos_at, self.text_ids)[0][len(job.output_ids)]
+        return FirstToken(token, 1234, prefill_ms=3.0, transfer_bytes=1000, transfer_ms=2.0,
+                          cached_tokens=self.cached_tokens,
+                          forks=tuple(ForkStart(token, 1234 + j) for j in range(1, job.num_forks)))
 
     async def status(self, timeout):
         return PrefillLoad(0)
@@ -98,12 +101,12 @@ class FakeDecode(DecodeClient):
         self.reserved.append(rid)
         return Reservation(rid, {"reservation": rid})
 
-    async def generate(self, job, reservation, first, timeout):
-        assert first.seed == 1234 and reservation.id in self.reserved
+    async def generate(self, job, reservation, start, timeout, fork=0):
+        assert start.seed == 1234 + fork and reservation.id in self.reserved
         ids, reason = reply(job, self.eos_at, self.text_ids)
         finished = False
         try:
-            for i in range(1, len(ids)):
+            for i in range(len(job.output_ids) + 1, len(ids)):
                 if self.fail_after is not None and i > self.fail_after:
                     raise BackendError(self.fail_code, "rank group died", self.address)
                 if self.block_after is not None and i > self.block_after:
@@ -117,7 +120,7 @@ class FakeDecode(DecodeClient):
             if not finished:
                 self.cancelled.set()
 
-    async def abort(self, reservation, timeout):
+    async def abort(self, reservation, timeout, fork=None):
         self.aborted.append(reservation.id)
 
     async def status(self, timeout):
@@ -135,8 +138,10 @@ def start_router():
     def start(prefills=None, decodes=None, **overrides):
         prefills = prefills or [FakePrefill()]
         decodes = decodes or [FakeDecode()]
+        # default_max_tokens: 16 tokens for a request without max_tokens (the fakes' replies stay
+        # short); the unconfigured default, up to the context limit, has its own test
         cfg = dict(prefill=tuple(p.address for p in prefills), decode=tuple(d.address for d in decodes), model=MODEL,
-                   health_interval_s=30.0, max_retries=2)
+                   health_interval_s=30.0, max_retries=2, default_max_tokens=16)
         handle = serve_router(RouterConfig(**{**cfg, **overrides}), prefills, decodes)
         handles.append(handle)
         return handle
@@ -682,16 +687,16 @@ class RowsDecode(FakeDecode):
         self.held[r.id] = len(job.prompt_ids) + job.sampling.max_new_tokens
         return r
 
-    async def generate(self, job, reservation, first, timeout):
+    async def generate(self, job, reservation, start, timeout, fork=0):
         try:
-            async for ev in super().generate(job, reservation, first, timeout):
+            async for ev in super().generate(job, reservation, start, timeout, fork):
                 while not self.gate.is_set():
                     await asyncio.sleep(0.005)
                 yield ev
         finally:
             self.held.pop(reservation.id, None)
 
-    async def abort(self, reservation, timeout):
+    async def abort(self, reservation, timeout, fork=None):
         self.held.pop(reservation.id, None)
 
     async def status(self, timeout):
@@ -850,6 +855,133 @@ def test_model_tokenize_detokenize_version_ping_and_unknown_routes(start_router)
         assert err["type"] == "invalid_request_error" and err["message"], err
 
 
+# ---- forks, preemption, admission ----------------------------------------------------------------
+def test_n_samples_are_forks_of_one_reservation_and_one_prefill(start_router):
+    prefill, decode = FakePrefill(), FakeDecode()
+    h = start_router(prefills=[prefill], decodes=[decode])
+    r = client(h).completions.create(model=MODEL, prompt=["ab", "cd"], n=3, max_tokens=4, seed=7,
+                                     extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == list(range(6)) and all(c.text == TEXT[:4] for c in r.choices)
+    assert [j.num_forks for j in prefill.jobs] == [3, 3] and len(decode.reserved) == 2  # one per prompt
+    assert [j.sampling.seed for j in prefill.jobs] == [7, 7]  # fork j: 7 + j, drawn by prefill
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == 6
+    chunks = sse_events(post(h, "/v1/completions", {"prompt": "ab", "n": 2, "max_tokens": 3, "stream": True}))
+    assert sorted(c["choices"][0]["index"] for c in chunks[:-1] if c["choices"][0]["finish_reason"]) == [0, 1]
+
+
+class PreemptingDecode(FakeDecode):
+    """Preempts every fresh generation after ``after`` tokens; resumed ones run to their end."""
+
+    def __init__(self, after: int = 3, **kw):
+        super().__init__(**kw)
+        self.after, self.resumed_jobs = after, []
+
+    async def generate(self, job, reservation, start, timeout, fork=0):
+        if job.output_ids:
+            self.resumed_jobs.append(job)
+            async for ev in super().generate(job, reservation, start, timeout, fork):
+                yield ev
+            return
+        assert start.seed == 1234 + fork
+        ids, _ = reply(job)
+        for i in range(1, self.after):
+            yield Token(ids[i], i)
+        yield Done("preempted", self.after)
+
+
+def test_a_preempted_stream_is_resumed_and_the_client_sees_one_stream(start_router):
+    prefill, decode = FakePrefill(), PreemptingDecode(after=3)
+    h = start_router(prefills=[prefill], decodes=[decode])
+    chunks = sse_events(post(h, "/v1/completions", {"prompt": "x", "max_tokens": 10, "stream": True, "n": 2,
+                                                    "return_token_ids": True}))
+    per_choice: dict[int, list[int]] = {}
+    for c in chunks[:-1]:
+        per_choice.setdefault(c["choices"][0]["index"], []).extend(c["choices"][0].get("token_ids") or [])
+    assert per_choice == {0: TEXT_IDS[:10], 1: TEXT_IDS[:10]}
+    # each fork resumed as its own job: prompt + its 3 tokens, its own seed, no second prompt scoring
+    assert sorted(j.sampling.seed for j in decode.resumed_jobs) == [1234, 1235]
+    assert all(j.output_ids == tuple(TEXT_IDS[:3]) and j.num_forks == 1 for j in decode.resumed_jobs)
+    assert [j.num_tokens for j in prefill.jobs[1:]] == [len(prefill.jobs[0].prompt_ids) + 3] * 2
+    text = get(h, "/metrics").text
+    assert re.search(r'^cpserve:num_preemptions_total\{model_name="tiny"\} 2.0$', text, re.M), text
+
+
+def test_without_max_tokens_a_request_may_run_to_the_context_limit(start_router):
+    prefill = FakePrefill()
+    h = start_router(prefills=[prefill], decodes=[FakeDecode(capacity=512)], default_max_tokens=None)
+    assert wait_for(lambda: get(h, "/v1/models").json()["data"][0]["max_model_len"] == 512)
+    r = client(h).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    prompt = len(prefill.jobs[-1].prompt_ids)
+    assert prefill.jobs[-1].sampling.max_new_tokens == 512 - prompt
+    assert r.usage.completion_tokens == 512 - prompt and r.choices[0].finish_reason == "length"
+    client(h).completions.create(model=MODEL, prompt=["a", "abc"])  # each prompt its own room
+    assert [j.sampling.max_new_tokens for j in prefill.jobs[-2:]] == [512 - 2, 512 - 4]
+
+
+class FullForAWhile(FakeDecode):
+    """No rows for its first ``busy`` Reserve calls."""
+
+    def __init__(self, busy: int, **kw):
+        super().__init__(**kw)
+        self.busy, self.refused = busy, 0
+
+    async def reserve(self, job, timeout):
+        if self.refused < self.busy:
+            self.refused += 1
+            raise BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, "capacity: no free cache rows now", self.address)
+        return await super().reserve(job, timeout)
+
+
+def test_a_request_without_rows_waits_in_the_queue_then_gets_them(start_router):
+    decode = FullForAWhile(busy=5)
+    h = start_router(decodes=[decode])
+    r = client(h).completions.create(model=MODEL, prompt="x", max_tokens=3)
+    assert r.choices[0].text == TEXT[:3] and decode.refused == 5 and len(decode.reserved) == 1
+    assert 'cpserve_router_retries_total 0.0' in get(h, "/metrics").text  # waiting is not a retry
+    # max_waiting 0: no queue, a 429 at once
+    h = start_router(decodes=[FullForAWhile(busy=10 ** 6)], max_waiting=0)
+    resp = post(h, "/v1/completions", {"prompt": "x"})
+    assert resp.status_code == 429 and "max_waiting" in resp.json()["error"]["message"]
+
+
+def test_admission_serves_resumed_generations_first_then_in_arrival_order():
+    from services.router.admission import Admission, Overloaded
+
+    async def main():
+        adm = Admission(max_waiting=2, max_wait_s=5.0, poll_s=0.01)
+        rows, served = [0], []
+
+        def waiter(name: str, resumed: bool = False):
+            async def attempt():
+                if rows[0] > 0:
+                    rows[0] -= 1
+                    served.append(name)
+                    return name
+                return None
+            return asyncio.ensure_future(adm.admit(attempt, resumed, asyncio.get_running_loop().time() + 5))
+
+        tasks = [waiter("new-1")]
+        await asyncio.sleep(0.03)
+        tasks.append(waiter("new-2"))
+        await asyncio.sleep(0.03)
+        tasks.append(waiter("resumed", resumed=True))
+        await asyncio.sleep(0.03)
+        assert adm.num_waiting == 3
+        with pytest.raises(Overloaded, match="max_waiting"):
+            await adm.admit(lambda: asyncio.sleep(0, None))  # a third new one: the queue is full
+        for _ in range(3):
+            rows[0] += 1
+            adm.notify()
+            await asyncio.sleep(0.03)
+        await asyncio.gather(*tasks)
+        assert served == ["resumed", "new-1", "new-2"] and adm.num_waiting == 0
+        quick = Admission(max_waiting=4, max_wait_s=0.05, poll_s=0.01)
+        with pytest.raises(Overloaded, match="0.05 s"):
+            await quick.admit(lambda: asyncio.sleep(0, None))
+
+    asyncio.run(main())
+
+
 # ---- failures ----------------------------------------------------------------------------------
 def test_failure_before_first_token_retries_on_another_pair(start_router):
     bad = FakePrefill("p0", fail=BackendError(UNAVAILABLE, "KV transfer to 127.0.0.1:1 failed", "p0"))
@@ -864,12 +996,13 @@ def test_failure_before_first_token_retries_on_another_pair(start_router):
 
 
 def test_failures_that_exhaust_retries_or_are_final(start_router):
-    # no rows anywhere: 503 + Retry-After after trying every pair
+    # no rows anywhere: 429 + Retry-After after the bounded wait in the admission queue
     full = FakeDecode(fail_reserve=BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, "capacity: no free rows", "d0"))
-    h = start_router(decodes=[full])
+    h = start_router(decodes=[full], max_wait_s=0.3)
+    t0 = time.monotonic()
     resp = post(h, "/v1/completions", {"prompt": "x"})
-    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
-    assert resp.json()["error"]["code"] == "overloaded"
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "1" and time.monotonic() - t0 >= 0.3
+    assert resp.json()["error"]["code"] == "overloaded" and "max_wait_s" in resp.json()["error"]["message"]
     # a service's INVALID_ARGUMENT is the request's fault: 400 naming the field, no retry
     strict = FakePrefill("p0", fail=BackendError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: too odd", "p0"))
     other = FakePrefill("p1")

@@ -230,11 +230,107 @@ def test_stop_at_eos_and_first_token_stop(services, reference):
     services.wait_rows_free()
 
 
+def stream_tokens(call) -> tuple[list[int], object]:
+    """A Generate stream's token ids (checking their indices run on) and its Done."""
+    ids, done = [], None
+    for ev in call:
+        kind = ev.WhichOneof("event")
+        assert kind != "error", ev.error.message
+        if kind == "token":
+            ids.append((ev.token.index, ev.token.id))
+        else:
+            done = ev.done
+    return ids, done
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sampling", [dict(temperature=0.8, top_k=40, seed=11, frequency_penalty=0.5),
+                                      dict(temperature=0.0)])
+def test_forks_share_one_prefill_and_the_prompts_rows(services, reference, sampling):
+    """n = 3 samples of a 45-token prompt: one Reserve (the prompt's full page once, its partial
+    page once per fork), one Prefill (fork j's first token with seed + j), one Generate per fork;
+    each fork equals the reference run with seed + j; every row comes back."""
+    full = list(services.wait_rows_free().rows_free)
+    prompt, n = prompts()[0], 3  # 45 tokens: one 32-token page (DCP 2 x 16) + 13 in a partial one
+    s = greedy(max_new_tokens=8, **sampling)
+    dest = services.decode.Reserve(decode_pb2.ReserveRequest(request_id="t", num_tokens=len(prompt),
+                                                             max_new_tokens=8, num_forks=n), timeout=RPC_S)
+    assert list(services.status().rows_used) == [(1 + n) * 16] * 2  # rows per rank: 1 shared page + 3 partial
+    first = services.prefill.Prefill(prefill_pb2.PrefillRequest(request_id="t", prompt_ids=prompt, sampling=s,
+                                                                destination=dest, num_forks=n), timeout=RPC_S)
+    starts = [(first.first_token, first.seed)] + [(f.token, f.seed) for f in first.forks]
+    base = sampling.get("seed", first.seed)
+    assert [seed for _, seed in starts] == [base + j for j in range(n)]
+
+    def fork(j: int):
+        token, seed = starts[j]
+        call = services.decode.Generate(decode_pb2.GenerateRequest(
+            reservation_id=dest.reservation_id, prompt_ids=prompt, sampling=s, seed=seed, first_token=token,
+            fork=j), timeout=RPC_S)
+        ids, done = stream_tokens(call)
+        assert [i for i, _ in ids] == list(range(1, 8)) and done.num_tokens == 8
+        return [token] + [t for _, t in ids]
+
+    with ThreadPoolExecutor(n) as pool:
+        got = list(pool.map(fork, range(n)))
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=(), **{k: v for k, v in sampling.items() if k != "seed"})
+    want = [reference.generate([prompt], SamplingParams(**{**params.__dict__, "seed": base + j}))[0].output_ids
+            for j in range(n)]
+    assert got == want
+    if sampling["temperature"]:
+        assert len({tuple(g) for g in got}) > 1
+    s_after = services.wait_rows_free()
+    assert list(s_after.rows_free) == full and s_after.reservations == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_released_before_it_commits_leaves_the_others_running(services, reference):
+    full = list(services.wait_rows_free().rows_free)
+    prompt = prompts()[2]
+    dest = services.decode.Reserve(decode_pb2.ReserveRequest(request_id="t", num_tokens=len(prompt),
+                                                             max_new_tokens=MAX_NEW, num_forks=2), timeout=RPC_S)
+    first = services.prefill.Prefill(prefill_pb2.PrefillRequest(request_id="t", prompt_ids=prompt, sampling=greedy(),
+                                                                destination=dest, num_forks=2), timeout=RPC_S)
+    ref0 = decode_pb2.ReservationRef(reservation_id=dest.reservation_id, fork=0)
+    assert services.decode.Abort(ref0, timeout=RPC_S).freed and not services.decode.Abort(ref0, timeout=RPC_S).freed
+    assert services.status().reservations == 1  # fork 1 may still commit
+    ids, _ = stream_tokens(services.decode.Generate(decode_pb2.GenerateRequest(
+        reservation_id=dest.reservation_id, prompt_ids=prompt, sampling=greedy(), seed=first.forks[0].seed,
+        first_token=first.forks[0].token, fork=1), timeout=RPC_S))
+    assert [first.forks[0].token] + [t for _, t in ids] == expected(reference, prompt)
+    code, details = code_and_details(lambda: list(services.generate(dest, prompt, first)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "unknown" in details  # every fork is done
+    s = services.wait_rows_free()
+    assert list(s.rows_free) == full and s.reservations == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_preempted_generation_resumes_on_a_new_reservation_with_the_same_tokens(services, reference):
+    """The resume protocol: prompt + the k tokens so far reserved, prefilled (output_ids) and
+    continued (Generate output_ids): the tokens are the uninterrupted run's, seeds, step-indexed
+    draws and output-only penalties included."""
+    prompt, k = prompts()[2], 5
+    kw = dict(temperature=0.7, seed=3, presence_penalty=0.8, min_tokens=8)
+    want = reference.generate([prompt], SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(), **kw))[0].output_ids
+    s = greedy(**kw)
+    dest = services.reserve(len(prompt) + k, MAX_NEW - k)
+    first = services.prefill.Prefill(prefill_pb2.PrefillRequest(request_id="t", prompt_ids=prompt, sampling=s,
+                                                                destination=dest, output_ids=want[:k]), timeout=RPC_S)
+    assert first.first_token == want[k] and first.seed == 3
+    ids, done = stream_tokens(services.decode.Generate(decode_pb2.GenerateRequest(
+        reservation_id=dest.reservation_id, prompt_ids=prompt, sampling=s, seed=first.seed,
+        first_token=first.first_token, output_ids=want[:k]), timeout=RPC_S))
+    assert ids == list(enumerate(want[k + 1:], k + 1)) and done.num_tokens == MAX_NEW
+    services.wait_rows_free()
+
+
 # ---- errors --------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case,field", [
     ("empty prompt", "prompt"), ("token id >= vocab", "prompt"), ("max_new_tokens 0", "max_new_tokens"),
     ("fingerprint", "dtype"), ("no destination", "destination"), ("index mode", "destination.index_mode"),
+    ("output id >= vocab", "output_ids"), ("output as long as max_new_tokens", "output_ids"),
+    ("forks of a resumed generation", "num_forks"), ("too many forks", "num_forks"),
 ])
 def test_bad_prefill_input_is_invalid_argument(services, case, field):
     prompt = prompts()[0][:10]
@@ -252,6 +348,14 @@ def test_bad_prefill_input_is_invalid_argument(services, case, field):
         request.ClearField("destination")
     elif case == "index mode":
         request.destination.index_mode = 0
+    elif case == "output id >= vocab":
+        request.output_ids[:] = [5, 320]
+    elif case == "output as long as max_new_tokens":
+        request.output_ids[:] = [5] * MAX_NEW
+    elif case == "forks of a resumed generation":
+        request.output_ids[:], request.num_forks = [5], 2
+    elif case == "too many forks":
+        request.num_forks = 100_000
     t0 = time.monotonic()
     code, details = code_and_details(lambda: services.prefill.Prefill(request, timeout=RPC_S))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details and time.monotonic() - t0 < 5
@@ -267,15 +371,32 @@ def test_bad_decode_input_is_invalid_argument(services):
         assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
     code, details = code_and_details(lambda: services.reserve(20_000, 4))  # more than the 8192-token cache
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_tokens" in details
+    for forks in (100_000, 256):  # more than any reservation may fork; more partial pages than the cache has
+        code, details = code_and_details(lambda: services.decode.Reserve(decode_pb2.ReserveRequest(
+            request_id="t", num_tokens=45, max_new_tokens=4, num_forks=forks), timeout=RPC_S))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_forks" in details
     prompt = prompts()[1]
     dest = services.reserve(len(prompt))
     first = prefill_pb2.PrefillResponse(first_token=400, seed=1)
     code, details = code_and_details(lambda: list(services.generate(dest, prompt, first)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "first_token" in details
+
+    def generate(outputs: list[int], fork: int):
+        return list(services.decode.Generate(decode_pb2.GenerateRequest(
+            reservation_id=dest.reservation_id, prompt_ids=prompt[:len(prompt) - len(outputs)], sampling=greedy(),
+            seed=1, first_token=5, output_ids=outputs, fork=fork), timeout=RPC_S))
+
+    code, details = code_and_details(lambda: generate([320], 0))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "output_ids" in details
     # Generate before any write: the reservation is not being written
     first = prefill_pb2.PrefillResponse(first_token=5, seed=1)
     code, details = code_and_details(lambda: list(services.generate(dest, prompt, first)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and dest.reservation_id in details
+    ref = decode_pb2.ReservationRef(reservation_id=dest.reservation_id)
+    services.decode.BeginWrite(ref, timeout=RPC_S)
+    services.decode.EndWrite(ref, timeout=RPC_S)
+    code, details = code_and_details(lambda: generate([], 3))  # a one-fork reservation has no fork 3
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "fork" in details
     services.decode.Abort(decode_pb2.ReservationRef(reservation_id=dest.reservation_id), timeout=RPC_S)
     services.wait_rows_free()
 
@@ -295,7 +416,8 @@ def test_abort_frees_rows(services):
     full = list(services.wait_rows_free().rows_free)
     dest = services.reserve(100, 50)
     s = services.status()
-    assert s.reservations == 1 and all(u >= 75 for u in s.rows_used)  # 150 tokens over 2 ranks
+    # the prompt's rows only (generation pages come as tokens do): 100 tokens = 4 pages of 32 over 2 ranks
+    assert s.reservations == 1 and list(s.rows_used) == [64, 64]
     assert [f + u for f, u in zip(s.rows_free, s.rows_used)] == full
     ref = decode_pb2.ReservationRef(reservation_id=dest.reservation_id)
     assert services.decode.Abort(ref, timeout=RPC_S).freed
@@ -325,9 +447,9 @@ def test_abort_while_writing_waits_for_end_write(services):
 
 @pytest.mark.timeout(60)
 def test_full_cache_is_resource_exhausted(services):
-    held = services.reserve(4000, 100)  # 129 of the 256 pages (32 tokens each at dcp 2)
+    held = services.reserve(4100, 100)  # the prompt's 129 of the 256 pages (32 tokens each at dcp 2)
     try:
-        code, details = code_and_details(lambda: services.reserve(4000, 100))
+        code, details = code_and_details(lambda: services.reserve(4100, 100))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "capacity" in details
     finally:
         services.decode.Abort(decode_pb2.ReservationRef(reservation_id=held.reservation_id), timeout=RPC_S)

@@ -116,3 +116,44 @@ def test_allocator_conserves_pages(num_pages, ops):
         assert alloc.num_allocated == len(held)
         assert alloc.num_free + alloc.num_allocated == num_pages
         assert all(0 <= p < num_pages for p in held)
+
+
+def test_a_shared_page_is_free_again_only_after_its_last_holder():
+    alloc = PageAllocator(3)
+    pages = alloc.allocate(2)
+    alloc.share(pages)  # a second holder (a fork of the same prompt)
+    assert alloc.holders(pages[0]) == 2
+    alloc.free(pages)
+    assert alloc.num_free == 1 and alloc.holders(pages[0]) == 1
+    alloc.free(pages)
+    assert alloc.num_free == 3 and alloc.num_allocated == 0
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.share(pages)  # sharing a free page is refused, as freeing it is
+    with pytest.raises(ValueError, match="more than once"):
+        alloc.share([0, 0])
+
+
+share_ops = st.lists(st.tuples(st.sampled_from(["allocate", "share", "free"]), st.integers(0, 6)), max_size=60)
+
+
+@settings(max_examples=100, deadline=None)
+@given(num_pages=st.integers(0, 12), ops=share_ops)
+def test_allocator_conserves_pages_with_shared_holders(num_pages, ops):
+    alloc = PageAllocator(num_pages)
+    holds: list[list[int]] = []  # each holder's pages
+    for op, n in ops:
+        if op == "allocate" and alloc.can_allocate(n):
+            holds.append(alloc.allocate(n))
+        elif op == "share" and holds:
+            pages = holds[n % len(holds)]
+            alloc.share(pages)
+            holds.append(list(pages))
+        elif op == "free" and holds:
+            alloc.free(holds.pop(n % len(holds)))
+        held = {p for pages in holds for p in pages}
+        assert alloc.num_allocated == len(held)
+        assert alloc.num_free + alloc.num_allocated == num_pages
+        assert all(alloc.holders(p) == sum(p in pages for pages in holds) for p in held)
+    for pages in holds:
+        alloc.free(pages)
+    assert alloc.num_free == num_pages

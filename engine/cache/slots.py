@@ -79,11 +79,13 @@ def local_rows(
 
 
 class PageAllocator:
-    """Free list of the group's virtual pages ``0 .. num_pages - 1``.
+    """Free list of the group's virtual pages ``0 .. num_pages - 1``, with reference counts.
 
     Invariant: every page is either free or allocated, never both, so
-    ``num_free + num_allocated == num_pages``. Callers ask ``can_allocate`` before
-    ``allocate``; freeing a page that is not allocated is refused.
+    ``num_free + num_allocated == num_pages``. A page may have several holders (forks of one
+    prompt share its full pages: ``share``); it is free again when its last holder frees it.
+    Callers ask ``can_allocate`` before ``allocate``; freeing a page that is not allocated is
+    refused.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -91,7 +93,7 @@ class PageAllocator:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
-        self._allocated: set[int] = set()
+        self._refs: dict[int, int] = {}  # allocated page -> holders
 
     @property
     def num_free(self) -> int:
@@ -99,32 +101,49 @@ class PageAllocator:
 
     @property
     def num_allocated(self) -> int:
-        return len(self._allocated)
+        return len(self._refs)
+
+    def holders(self, page: int) -> int:
+        return self._refs.get(page, 0)
 
     def can_allocate(self, n_pages: int) -> bool:
         return 0 <= n_pages <= len(self._free)
 
     def allocate(self, n_pages: int) -> list[int]:
-        """Take ``n_pages`` free pages; raises ``ValueError`` if fewer are free."""
+        """Take ``n_pages`` free pages (one holder each); raises ``ValueError`` if fewer are free."""
         if not self.can_allocate(n_pages):
             raise ValueError(
                 f"cannot allocate {n_pages} pages: {len(self._free)} of {self.num_pages} free"
             )
         pages = [self._free.popleft() for _ in range(n_pages)]
-        self._allocated.update(pages)
+        self._refs.update((p, 1) for p in pages)
         return pages
 
+    def share(self, pages: Iterable[int]) -> None:
+        """One more holder for each of ``pages`` (all allocated; all-or-nothing, as ``free``)."""
+        pages = self._check_held(pages)
+        for p in pages:
+            self._refs[p] += 1
+
     def free(self, pages: Iterable[int]) -> None:
-        """Return ``pages`` to the pool. All-or-nothing: a page that is not allocated (foreign,
-        already free, or listed twice) raises ``ValueError`` and nothing is freed."""
+        """One holder fewer for each of ``pages``; a page with none left returns to the pool.
+        All-or-nothing: a page that is not allocated (foreign, already free, or listed twice)
+        raises ``ValueError`` and nothing is freed."""
+        pages = self._check_held(pages)
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                del self._refs[p]
+                self._free.append(p)
+
+    def _check_held(self, pages: Iterable[int]) -> list[int]:
         pages = list(pages)
         if len(set(pages)) != len(pages):
             raise ValueError(f"pages listed more than once: {sorted(pages)}")
-        foreign = [p for p in pages if p not in self._allocated]
+        foreign = [p for p in pages if p not in self._refs]
         if foreign:
             raise ValueError(f"pages {foreign} are not allocated (double free or foreign page)")
-        self._allocated.difference_update(pages)
-        self._free.extend(pages)
+        return pages
 
 
 def _check_group(C: int) -> None:

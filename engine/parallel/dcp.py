@@ -295,6 +295,18 @@ class DecodeRank:
             else:
                 self.index[layer][slots[mine] // self.world] = rows[mine].to(self.dtype)
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the entries of group slots ``src`` to ``dst`` (a fork's copy of its prompt's
+        partial page). Both hold the same positions, so each pair is on one rank (p mod C)."""
+        mine = src % self.world == self.rank
+        s, d = src[mine] // self.world, dst[mine] // self.world
+        self.latent[:, d] = self.latent[:, s]
+        for layer, keys in self.index.items():
+            if self.indexer == "copied":
+                keys[dst] = keys[src]
+            else:
+                keys[d] = keys[s]
+
     def run(self, plan: StepPlan, trace: bool = False) -> tuple[dict[int, torch.Tensor], float]:
         if not plan.is_decode:
             raise ValueError("DCP ranks run decode steps only")

@@ -238,7 +238,12 @@ class RouterConfig(_InternalPlaneConfig):
     request_timeout_s: float = Field(600.0, gt=0)  # a whole request, arrival to last token
     rpc_timeout_s: float = Field(5.0, gt=0)  # health, Status and Abort calls
     health_interval_s: float = Field(2.0, gt=0)  # health and Status polling of every service
-    default_max_tokens: int = Field(16, ge=1)  # for requests without max_tokens
+    # for requests without max_tokens; None (the default): up to the context limit, as vLLM
+    default_max_tokens: int | None = Field(None, ge=1)
+    # decode rows: a request finding none waits in the router's queue (at most max_waiting
+    # requests, each at most max_wait_s), then 429 / RESOURCE_EXHAUSTED
+    max_waiting: int = Field(256, ge=0)
+    max_wait_s: float = Field(30.0, ge=0)
     tokenizer: str | None = None  # tokenizer directory (default: the checkpoint's)
     trust_remote_code: bool = False  # run code a tokenizer ships (auto_map in tokenizer_config.json)
     chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template

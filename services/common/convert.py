@@ -12,7 +12,7 @@ from services.protos import common_pb2, decode_pb2, kv_pb2
 
 _INDEX_MODES = {"copied": kv_pb2.INDEX_MODE_COPIED, "split": kv_pb2.INDEX_MODE_SPLIT}
 _FINISH_REASONS = {"stop": decode_pb2.FINISH_REASON_STOP, "length": decode_pb2.FINISH_REASON_LENGTH,
-                   "abort": decode_pb2.FINISH_REASON_ABORT}
+                   "abort": decode_pb2.FINISH_REASON_ABORT, "preempted": decode_pb2.FINISH_REASON_PREEMPTED}
 
 
 # ---- sampling ----------------------------------------------------------------------------

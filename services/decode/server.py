@@ -8,9 +8,11 @@ requests join and leave the running batch every step.
 
 Streams: the loop thread owns ``_streams`` (sequence id → the request's event queue). Each step's
 (sequence, token) pairs go to their queues; a finished sequence gets ``Done`` and leaves the
-table. A client that goes away (gRPC callback on RPC end) posts an abort: the sequence is
-finished as "abort" and its rows are freed on every rank. If the rank group fails, every open
-stream receives an ``Error`` event, later calls get UNAVAILABLE and health says NOT_SERVING.
+table; a sequence preempted for want of a page (engine/scheduler.py) gets ``Done(PREEMPTED)``,
+and its router resumes it elsewhere. A client that goes away (gRPC callback on RPC end) posts
+an abort: the sequence is finished as "abort" and its rows are freed on every rank. If the rank
+group fails, every open stream receives an ``Error`` event, later calls get UNAVAILABLE and
+health says NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import grpc
 
 from engine.decode_engine import DCPDecodeEngine
 from engine.model.sampler import InvalidRequest
-from engine.scheduler import Sequence, validate_prompt
+from engine.scheduler import MAX_FORKS, Sequence, validate_prompt
 from kvtransfer.transport import use_port_range
 from services.common import rpc
 from services.common.config import DecodeConfig
@@ -55,10 +57,19 @@ def rows_per_rank(num_tokens: int, dcp: int) -> list[int]:
 
 
 def _snapshot(engine: DCPDecodeEngine) -> _Snapshot:
+    """Rows by state. Forks share their prompt's full pages: those rows count once per
+    reservation (``shared``), the rest of each fork's tokens on their own."""
     alloc, page, dcp = engine.allocator, engine.page_size, engine.dcp
+    seqs = [*engine.scheduler.running, *engine.scheduler.waiting]
+    owned = [len(s.prompt_ids) + len(s.output_ids) - s.shared_tokens for s in seqs]
+    shared = {s.group: s.shared_tokens for s in seqs if s.group is not None}
+    for r in engine.reservations.active.values():
+        n_shared = len(r.shared) * engine.reservations.span if r.num_forks > 1 else 0
+        shared[r.id] = n_shared
+        if r.state != "forking":  # before its first fork commits, the reservation holds the prompt
+            owned.append(r.num_tokens - n_shared)
     filled = [0] * dcp
-    seqs = [len(s.prompt_ids) + len(s.output_ids) for s in (*engine.scheduler.running, *engine.scheduler.waiting)]
-    for n in seqs + [r.num_tokens for r in engine.reservations.active.values()]:
+    for n in owned + list(shared.values()):  # shared counts are whole pages: a multiple of dcp
         filled = [f + k for f, k in zip(filled, rows_per_rank(n, dcp))]
     return _Snapshot((alloc.num_pages - alloc.num_free) * page, alloc.num_free * page, alloc.num_pages * page,
                      tuple(filled), len(seqs), len(engine.reservations.active))
@@ -108,9 +119,16 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             if seq.is_finished:
                 del self._streams[seq.id]
                 entry[1].put(_done(seq))
+        for seq in engine.scheduler.take_preempted():  # out of rows: their router resumes them elsewhere
+            entry = self._streams.pop(seq.id, None)
+            if entry is not None:
+                entry[1].put(_done(seq))
+                logger.info("decode: sequence %d preempted after %d tokens (no free page)", seq.id,
+                            len(seq.output_ids))
 
     def _commit(self, engine: DCPDecodeEngine, req: decode_pb2.GenerateRequest, params, events) -> int:
-        seq = engine.commit(req.reservation_id, list(req.prompt_ids), params, req.seed, req.first_token)
+        seq = engine.commit(req.reservation_id, list(req.prompt_ids), params, req.seed, req.first_token,
+                            list(req.output_ids), req.fork)
         if seq.is_finished:  # the first token (from prefill) already ended it
             events.put(_done(seq))
         else:
@@ -143,11 +161,14 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 raise InvalidRequest("num_tokens", f"must be >= 1, got {request.num_tokens}")
             if request.max_new_tokens < 1:
                 raise InvalidRequest("max_new_tokens", f"must be >= 1, got {request.max_new_tokens}")
+            num_forks = max(request.num_forks, 1)
+            if num_forks > MAX_FORKS:
+                raise InvalidRequest("num_forks", f"must be at most {MAX_FORKS}, got {num_forks}")
             total, limit = request.num_tokens + request.max_new_tokens, self.cfg.max_position_embeddings
             if total > limit:
                 raise InvalidRequest("max_new_tokens", f"num_tokens plus max_new_tokens is {total}; the model "
                                                        f"has {limit} positions")
-            dest = self.loop.call(lambda e: e.reserve(request.num_tokens, request.max_new_tokens), admit=True)
+            dest = self.loop.call(lambda e: e.reserve(request.num_tokens, request.max_new_tokens, num_forks), admit=True)
         except Exception as e:
             rpc.abort(context, e)
         logger.debug("decode: reserved %s for request %r", dest.reservation_id, request.request_id)
@@ -168,8 +189,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.EndWriteResponse(found=self._on_loop(context, lambda e: e.end_write(request.reservation_id)))
 
     def Abort(self, request, context):
+        fork = request.fork if request.HasField("fork") else None
         return decode_pb2.AbortResponse(freed=self._on_loop(context,
-                                                            lambda e: e.abort_reservation(request.reservation_id)))
+                                                            lambda e: e.abort_reservation(request.reservation_id, fork)))
 
     def Generate(self, request, context):
         events: queue.SimpleQueue = queue.SimpleQueue()
@@ -177,7 +199,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             if not request.reservation_id:
                 raise InvalidRequest("reservation_id", "must not be empty")
             params = sampling_from_proto(request.sampling, self.cfg.eos_token_ids)
-            validate_prompt(list(request.prompt_ids), params, self.cfg.vocab_size, self.cfg.max_position_embeddings)
+            validate_prompt(list(request.prompt_ids), params, self.cfg.vocab_size, self.cfg.max_position_embeddings,
+                            list(request.output_ids))
             if request.first_token >= self.cfg.vocab_size:
                 raise InvalidRequest("first_token", f"token id {request.first_token} is outside the vocabulary "
                                                     f"[0, {self.cfg.vocab_size})")

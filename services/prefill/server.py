@@ -20,7 +20,7 @@ import grpc
 
 from engine.model.sampler import InvalidRequest
 from engine.prefill_engine import CPPrefillEngine
-from engine.scheduler import validate_prompt
+from engine.scheduler import MAX_FORKS, validate_prompt
 from engine.handoff import KvDestination, ReservationError, check_fingerprint
 from kvtransfer.transport import TransferError, use_port_range
 from services.common import rpc
@@ -131,7 +131,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                on_stop=_fail_pending)
 
     def _prefill(self, engine: CPPrefillEngine, prompt: list[int], params, dest: KvDestination, address: str,
-                 is_active: Callable[[], bool]):
+                 is_active: Callable[[], bool], output_ids: list[int], num_forks: int):
         """Runs on the engine thread: queue the request into the engine; the loop's ticks batch
         every queued prefill into the same forwards and hand each off when its prompt is done."""
         if not is_active():
@@ -155,7 +155,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             self.peers.end_write(address, rid)
 
         try:
-            pending = engine.submit_prefill(prompt, params, dest, before_write=before_write, after_write=after_write)
+            pending = engine.submit_prefill(prompt, params, dest, before_write=before_write, after_write=after_write,
+                                            output_ids=output_ids, num_forks=num_forks)
         except BaseException:
             after_write()  # claimed, nothing written: decode may free the rows
             raise
@@ -166,28 +167,36 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     def Prefill(self, request, context):
         try:
-            prompt = list(request.prompt_ids)
+            prompt, outputs = list(request.prompt_ids), list(request.output_ids)
             params = sampling_from_proto(request.sampling, self.cfg.eos_token_ids)
-            validate_prompt(prompt, params, self.cfg.vocab_size, self.cfg.max_position_embeddings)
+            validate_prompt(prompt, params, self.cfg.vocab_size, self.cfg.max_position_embeddings, outputs)
+            num_forks = max(request.num_forks, 1)
+            if num_forks > MAX_FORKS:
+                raise InvalidRequest("num_forks", f"must be at most {MAX_FORKS}, got {num_forks}")
+            if num_forks > 1 and outputs:
+                raise InvalidRequest("num_forks", "a resumed generation (output_ids) is one fork")
             if not request.HasField("destination"):
                 raise InvalidRequest("destination", "is missing")
             dest = destination_from_proto(request.destination)
             check_fingerprint(self.fingerprint, dest.fingerprint)
-            dest.validate_for(len(prompt))
+            dest.validate_for(len(prompt) + len(outputs))
             arrived = time.perf_counter()
             fut = self.loop.submit(lambda e: self._prefill(e, prompt, params, dest, request.destination.decode_address,
-                                                           context.is_active), admit=True)
+                                                           context.is_active, outputs, num_forks), admit=True)
             pending = fut.result()
             queued = pending.queued_at
             seq = pending.future.result()
             marks, stats = pending.marks, pending.transfer_stats or []
             computed, written = marks[0], pending.written_at
             response = prefill_pb2.PrefillResponse(
-                first_token=seq.output_ids[0], seed=seq.seed, prefill_ms=(computed - queued) * 1e3,
+                seed=seq.seed, prefill_ms=(computed - queued) * 1e3,
                 transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=_write_seconds(stats) * 1e3,
                 cached_tokens=seq.num_cached, queue_ms=(queued - arrived) * 1e3, compute_ms=(computed - queued) * 1e3,
                 handoff_ms=(written - computed) * 1e3, service_ms=(time.perf_counter() - arrived) * 1e3,
-                prompt_logprobs=[logprob_to_proto(lp) for lp in seq.prompt_logprobs()])
+                prompt_logprobs=[logprob_to_proto(lp) for lp in seq.prompt_logprobs()],
+                forks=[prefill_pb2.ForkStart(token=token, seed=seed, logprob=lp and logprob_to_proto(lp))
+                       for token, seed, lp in seq.fork_starts])
+            response.first_token = seq.output_ids[len(outputs)]
             if seq.logprobs:
                 response.first_logprob.CopyFrom(logprob_to_proto(seq.logprobs[0]))
             if self.metrics is not None:

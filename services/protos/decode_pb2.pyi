@@ -15,6 +15,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_PREEMPTED: _ClassVar[FinishReason]
 
 class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,25 +26,30 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_PREEMPTED: FinishReason
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "max_new_tokens")
+    __slots__ = ("request_id", "num_tokens", "max_new_tokens", "num_forks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     max_new_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    num_forks: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., num_forks: _Optional[int] = ...) -> None: ...
 
 class ReservationRef(_message.Message):
-    __slots__ = ("reservation_id",)
+    __slots__ = ("reservation_id", "fork")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
-    def __init__(self, reservation_id: _Optional[str] = ...) -> None: ...
+    fork: int
+    def __init__(self, reservation_id: _Optional[str] = ..., fork: _Optional[int] = ...) -> None: ...
 
 class BeginWriteResponse(_message.Message):
     __slots__ = ("lease_s",)
@@ -58,18 +64,22 @@ class EndWriteResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("reservation_id", "prompt_ids", "sampling", "seed", "first_token")
+    __slots__ = ("reservation_id", "prompt_ids", "sampling", "seed", "first_token", "fork", "output_ids")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Sampling
     seed: int
     first_token: int
-    def __init__(self, reservation_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
+    fork: int
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reservation_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., first_token: _Optional[int] = ..., fork: _Optional[int] = ..., output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("token", "done", "error")

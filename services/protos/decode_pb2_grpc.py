@@ -72,8 +72,9 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Reserve(self, request, context):
-        """Errors: INVALID_ARGUMENT (num_tokens/max_new_tokens; too long for the cache),
-        RESOURCE_EXHAUSTED (no free rows now, or the command queue is full), UNAVAILABLE (rank group dead).
+        """Errors: INVALID_ARGUMENT (num_tokens/max_new_tokens/num_forks; too long for the cache),
+        RESOURCE_EXHAUSTED (no free rows now — the prompt's pages plus one free page per running
+        sequence and one for the new one — or the command queue is full), UNAVAILABLE (rank group dead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,9 +97,9 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Commits the reservation and streams tokens from the SECOND one on (the first came from
-        prefill). Errors found before the first event are gRPC statuses (INVALID_ARGUMENT,
-        FAILED_PRECONDITION); failures later end the stream with an Error event.
+        """Commits one fork of the reservation and streams its tokens from the SECOND one on (the
+        first came from prefill). Errors found before the first event are gRPC statuses
+        (INVALID_ARGUMENT, FAILED_PRECONDITION); failures later end the stream with an Error event.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

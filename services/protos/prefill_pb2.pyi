@@ -9,19 +9,33 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "destination")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "destination", "num_forks", "output_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORKS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Sampling
     destination: _kv_pb2.KvDestination
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., destination: _Optional[_Union[_kv_pb2.KvDestination, _Mapping]] = ...) -> None: ...
+    num_forks: int
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., destination: _Optional[_Union[_kv_pb2.KvDestination, _Mapping]] = ..., num_forks: _Optional[int] = ..., output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ForkStart(_message.Message):
+    __slots__ = ("token", "seed", "logprob")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    seed: int
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, token: _Optional[int] = ..., seed: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "seed", "prefill_ms", "transfer_bytes", "transfer_ms", "cached_tokens", "queue_ms", "compute_ms", "handoff_ms", "service_ms", "first_logprob", "prompt_logprobs")
+    __slots__ = ("first_token", "seed", "prefill_ms", "transfer_bytes", "transfer_ms", "cached_tokens", "queue_ms", "compute_ms", "handoff_ms", "service_ms", "first_logprob", "prompt_logprobs", "forks")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +48,7 @@ class PrefillResponse(_message.Message):
     SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORKS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     seed: int
     prefill_ms: float
@@ -46,7 +61,8 @@ class PrefillResponse(_message.Message):
     service_ms: float
     first_logprob: _common_pb2.TokenLogprob
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, first_token: _Optional[int] = ..., seed: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., handoff_ms: _Optional[float] = ..., service_ms: _Optional[float] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    forks: _containers.RepeatedCompositeFieldContainer[ForkStart]
+    def __init__(self, first_token: _Optional[int] = ..., seed: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., handoff_ms: _Optional[float] = ..., service_ms: _Optional[float] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., forks: _Optional[_Iterable[_Union[ForkStart, _Mapping]]] = ...) -> None: ...
 
 class ServiceStatus(_message.Message):
     __slots__ = ("model", "cp", "queue_depth", "rows_used", "rows_free", "serving")

@@ -49,7 +49,8 @@ class RouterServicer:
         INVALID_ARGUMENT   bad input; the message starts with the field ("sampling.top_p: ...")
         NOT_FOUND          model is not the one this router serves
         UNAUTHENTICATED    an API key is configured and metadata "authorization: Bearer <key>" is not it
-        RESOURCE_EXHAUSTED no decode service has free rows now (after retries); retry later
+        RESOURCE_EXHAUSTED no decode service had free rows within the router's bounded wait (or its
+        queue of waiting requests is full); retry later
         UNAVAILABLE        no healthy (prefill, decode) pair, or every tried pair failed
         DEADLINE_EXCEEDED  the router's request timeout passed before the first token
         Failures after the first token end the stream with an Error event.

@@ -22,9 +22,10 @@ Responses
   a failure after it is a ``data: {"error": {...}}`` event followed by ``data: [DONE]``.
 
 Errors (OpenAI's body ``{"error": {message, type, param, code}}``): 400 bad input naming the
-field, 401 wrong API key, 404 unknown model, 503 + Retry-After when no pair can take the
-request (no free rows anywhere, or no healthy pair), 504 when the request timeout passes,
-502 for other failures of a service. A client that goes away cancels its request: the decode
+field, 401 wrong API key, 404 unknown model, 429 + Retry-After when no decode service had rows
+for the request within the admission queue's bounded wait (or the queue is full), 503 +
+Retry-After when no healthy pair can take it, 504 when the request timeout passes, 502 for
+other failures of a service. A client that goes away cancels its request: the decode
 stream is cancelled and any reservation aborted.
 """
 
@@ -66,9 +67,11 @@ def api_error_of(e: BackendError) -> ApiError:
     if e.code == c.INVALID_ARGUMENT:
         m = _FIELD_PREFIX.match(e.message)
         return ApiError(400, e.message, m.group(1) if m else None, "invalid_value")
-    if e.code in (c.RESOURCE_EXHAUSTED, c.UNAVAILABLE):
-        code = "overloaded" if e.code == c.RESOURCE_EXHAUSTED else "service_unavailable"
-        return ApiError(503, str(e), None, code, "service_unavailable_error", {"Retry-After": RETRY_AFTER_S})
+    if e.code == c.RESOURCE_EXHAUSTED:
+        return ApiError(429, str(e), None, "overloaded", "rate_limit_error", {"Retry-After": RETRY_AFTER_S})
+    if e.code == c.UNAVAILABLE:
+        return ApiError(503, str(e), None, "service_unavailable", "service_unavailable_error",
+                        {"Retry-After": RETRY_AFTER_S})
     if e.code == c.DEADLINE_EXCEEDED:
         return ApiError(504, str(e), None, "timeout", "timeout_error")
     return ApiError(502, str(e), None, e.code.name.lower(), "server_error")
@@ -336,7 +339,7 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
         arrived = time.perf_counter()
         parsed = await parse(request, chat)
         shape = _Shape(parsed, chat, ctx.name, ctx.tokenizer)
-        streams = [runner.run(c, arrived) for c in parsed.completions]
+        streams = runner.run_all(parsed.completions, arrived)
         try:
             if parsed.stream:
                 firsts = await _unless_disconnected(request, _all([anext(s) for s in streams]))

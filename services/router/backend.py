@@ -5,8 +5,11 @@ Two small interfaces, one implementation each over grpc.aio (tests substitute in
 - :class:`PrefillClient` — ``prefill`` (prompt + an opaque KV destination → first token),
   ``status``, ``check_health``;
 - :class:`DecodeClient` — ``reserve`` (→ :class:`Reservation`, whose ``destination`` the router
-  copies into the prefill call without opening it), ``generate`` (tokens from the second on),
-  ``abort``, ``status``, ``check_health``.
+  copies into the prefill call without opening it), ``generate`` (one fork's tokens from the
+  second on), ``abort`` (the reservation, or one fork of it), ``status``, ``check_health``.
+
+A :class:`Job` with ``num_forks`` n is n samples of one prompt: one reservation and one prefill,
+then one ``generate`` per fork. A job with ``output_ids`` resumes a preempted generation.
 
 Every failure is a :class:`BackendError` carrying a gRPC status code; the dispatcher decides
 what to retry.
@@ -44,11 +47,20 @@ class BackendError(Exception):
 
 @dataclass(frozen=True)
 class Job:
-    """One generation as the backends see it: token ids in, token ids out."""
+    """One generation (or ``num_forks`` of one prompt) as the backends see it: token ids in,
+    token ids out. ``output_ids``: a resumed generation's tokens so far (prefilled after the
+    prompt; the next token comes back first)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: common_pb2.Sampling
+    num_forks: int = 1
+    output_ids: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the reservation holds: the prompt and a resumed generation's output so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
 
 @dataclass(frozen=True)
@@ -58,8 +70,17 @@ class Reservation:
 
 
 @dataclass(frozen=True)
-class FirstToken:
+class ForkStart:
+    """Fork j's first token (j >= 1), drawn by prefill from the same logits with seed + j."""
+
     token: int
+    seed: int
+    logprob: Any = None
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    token: int  # fork 0's
     seed: int
     prefill_ms: float = 0.0
     transfer_bytes: int = 0
@@ -71,6 +92,10 @@ class FirstToken:
     handoff_ms: float = 0.0
     logprob: Any = None  # common_pb2.TokenLogprob of the token, when asked for
     prompt_logprobs: tuple = ()  # common_pb2.TokenLogprob of prompt tokens 1.., when asked for
+    forks: tuple[ForkStart, ...] = ()  # forks 1 .. num_forks - 1
+
+    def fork(self, j: int) -> ForkStart:
+        return ForkStart(self.token, self.seed, self.logprob) if j == 0 else self.forks[j - 1]
 
 
 @dataclass(frozen=True)
@@ -84,7 +109,7 @@ class Token:
 
 @dataclass(frozen=True)
 class Done:
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "preempted" (decode ran out of rows: the dispatcher resumes it)
     num_tokens: int  # generated in total, the first included
     cached_tokens: int = 0  # prompt tokens served from the prefill prefix cache
 
@@ -133,13 +158,14 @@ class DecodeClient(ABC):
     async def reserve(self, job: Job, timeout: float) -> Reservation: ...
 
     @abstractmethod
-    def generate(self, job: Job, reservation: Reservation, first: FirstToken,
-                 timeout: float) -> AsyncIterator[Token | Done]:
-        """Tokens from index 1 on, then one Done. Closing the iterator early cancels the stream
-        (the service then frees the rows)."""
+    def generate(self, job: Job, reservation: Reservation, start: ForkStart, timeout: float,
+                 fork: int = 0) -> AsyncIterator[Token | Done]:
+        """Fork ``fork``'s tokens after ``start`` (its first), then one Done. Closing the
+        iterator early cancels the stream (the service then frees the rows)."""
 
     @abstractmethod
-    async def abort(self, reservation: Reservation, timeout: float) -> None: ...
+    async def abort(self, reservation: Reservation, timeout: float, fork: int | None = None) -> None:
+        """Release the reservation (``fork``: that fork only); a no-op once committed."""
 
     @abstractmethod
     async def status(self, timeout: float) -> DecodeLoad: ...
@@ -182,14 +208,16 @@ class GrpcPrefillClient(_GrpcService, PrefillClient):
 
     async def prefill(self, job: Job, destination: Any, timeout: float) -> FirstToken:
         req = prefill_pb2.PrefillRequest(request_id=job.request_id, prompt_ids=job.prompt_ids, sampling=job.sampling,
-                                         destination=destination)
+                                         destination=destination, num_forks=job.num_forks, output_ids=job.output_ids)
         try:
             r = await self.stub.Prefill(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise _error(e, self.address) from None
         return FirstToken(r.first_token, r.seed, r.prefill_ms, r.transfer_bytes, r.transfer_ms, r.cached_tokens,
                           r.queue_ms, r.compute_ms, r.handoff_ms,
-                          r.first_logprob if r.HasField("first_logprob") else None, tuple(r.prompt_logprobs))
+                          r.first_logprob if r.HasField("first_logprob") else None, tuple(r.prompt_logprobs),
+                          tuple(ForkStart(f.token, f.seed, f.logprob if f.HasField("logprob") else None)
+                                for f in r.forks))
 
     async def status(self, timeout: float) -> PrefillLoad:
         try:
@@ -199,7 +227,8 @@ class GrpcPrefillClient(_GrpcService, PrefillClient):
         return PrefillLoad(s.queue_depth, s.serving)
 
 
-_FINISH = {decode_pb2.FINISH_REASON_STOP: "stop", decode_pb2.FINISH_REASON_LENGTH: "length"}
+_FINISH = {decode_pb2.FINISH_REASON_STOP: "stop", decode_pb2.FINISH_REASON_LENGTH: "length",
+           decode_pb2.FINISH_REASON_PREEMPTED: "preempted"}
 _STREAM_ERRORS = {decode_pb2.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
 
 
@@ -209,18 +238,20 @@ class GrpcDecodeClient(_GrpcService, DecodeClient):
         self.stub = decode_pb2_grpc.DecodeStub(self.channel)
 
     async def reserve(self, job: Job, timeout: float) -> Reservation:
-        req = decode_pb2.ReserveRequest(request_id=job.request_id, num_tokens=len(job.prompt_ids),
-                                        max_new_tokens=job.sampling.max_new_tokens)
+        req = decode_pb2.ReserveRequest(request_id=job.request_id, num_tokens=job.num_tokens,
+                                        max_new_tokens=job.sampling.max_new_tokens - len(job.output_ids),
+                                        num_forks=job.num_forks)
         try:
             dest = await self.stub.Reserve(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise _error(e, self.address) from None
         return Reservation(dest.reservation_id, dest)
 
-    async def generate(self, job: Job, reservation: Reservation, first: FirstToken,
-                       timeout: float) -> AsyncIterator[Token | Done]:
+    async def generate(self, job: Job, reservation: Reservation, start: ForkStart, timeout: float,
+                       fork: int = 0) -> AsyncIterator[Token | Done]:
         req = decode_pb2.GenerateRequest(reservation_id=reservation.id, prompt_ids=job.prompt_ids,
-                                         sampling=job.sampling, seed=first.seed, first_token=first.token)
+                                         sampling=job.sampling, seed=start.seed, first_token=start.token, fork=fork,
+                                         output_ids=job.output_ids)
         call = self.stub.Generate(req, timeout=timeout)
         done: Done | None = None
         try:
@@ -246,9 +277,9 @@ class GrpcDecodeClient(_GrpcService, DecodeClient):
             raise BackendError(grpc.StatusCode.INTERNAL, "the decode stream ended without a Done event", self.address)
         yield done
 
-    async def abort(self, reservation: Reservation, timeout: float) -> None:
+    async def abort(self, reservation: Reservation, timeout: float, fork: int | None = None) -> None:
         try:
-            await self.stub.Abort(decode_pb2.ReservationRef(reservation_id=reservation.id), timeout=timeout)
+            await self.stub.Abort(decode_pb2.ReservationRef(reservation_id=reservation.id, fork=fork), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise _error(e, self.address) from None
 

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 import grpc
 
 from services.router.backend import BackendError, Done, Job
-from services.router.dispatch import Dispatcher
+from services.router.dispatch import Dispatcher, Start
 from services.router.metrics import RouterMetrics
 from services.router.stages import TTFT_STAGES, TtftClock
 from services.router.textstream import TextAssembler
@@ -42,6 +42,7 @@ class CompletionRequest:
     include_stop: bool = False  # include_stop_str_in_output
     skip_special_tokens: bool = True
     prompt_text: str | None = None  # the prompt as the client sent it, when it was text (for echo)
+    fork: int = 0  # which of ``job``'s forks (samples of one prompt) this choice is
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,17 @@ class CompletionRunner:
     def __init__(self, dispatcher: Dispatcher, tokenizer, metrics: RouterMetrics):
         self.dispatcher, self.tokenizer, self.metrics = dispatcher, tokenizer, metrics
 
-    async def run(self, req: CompletionRequest, arrived: float | None = None) -> AsyncIterator[TokenDelta | Finished]:
+    def run_all(self, reqs: tuple[CompletionRequest, ...], arrived: float | None = None
+                ) -> list[AsyncIterator[TokenDelta | Finished]]:
+        """One stream per choice; the choices of one job (its forks) share one start (one
+        reservation and one prefill)."""
+        starts: dict[int, Start] = {}
+        return [self.run(r, arrived, starts.setdefault(id(r.job), Start(self.dispatcher, r.job))) for r in reqs]
+
+    async def run(self, req: CompletionRequest, arrived: float | None = None,
+                  start: Start | None = None) -> AsyncIterator[TokenDelta | Finished]:
         """``arrived``: when the request reached the router (perf_counter; default now), where
-        TTFT and its breakdown start."""
+        TTFT and its breakdown start. ``start``: the start ``req.job``'s forks share."""
         clock = TtftClock(arrived)
         clock.lap("parse")
         token_times: list[float] = []
@@ -79,7 +88,7 @@ class CompletionRunner:
         m.in_flight.inc()
         m.num_requests_waiting.inc()
         try:
-            async with aclosing(self.dispatcher.generate(req.job, clock)) as events:
+            async with aclosing(self.dispatcher.generate(req.job, clock, req.fork, start)) as events:
                 async for event in events:
                     if isinstance(event, Done):
                         tail = text.flush()  # a stop string can complete only in the flushed text too

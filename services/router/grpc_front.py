@@ -46,7 +46,8 @@ def parse_generate(msg: router_pb2.GenerateRequest, ctx: ModelContext) -> Comple
     ids = encode_text(ctx, msg.text, "text") if kind == "text" else token_ids(list(msg.ids.ids), "ids", ctx.vocab_size)
     if not ids:
         raise invalid(kind, "must not be empty")
-    s = msg.sampling if msg.HasField("sampling") else common_pb2.Sampling(max_new_tokens=ctx.default_max_tokens)
+    s = msg.sampling if msg.HasField("sampling") else common_pb2.Sampling(
+        max_new_tokens=ctx.max_tokens_for(len(ids), None))
     if s.max_new_tokens < 1:
         raise invalid("sampling.max_new_tokens", f"must be >= 1, got {s.max_new_tokens}")
     if not math.isfinite(s.temperature) or s.temperature < 0:

@@ -7,7 +7,7 @@ Two families:
   dashboards and autoscalers written against vLLM (definitions for the disaggregated path in
   the README, "The HTTP API (router)"): TTFT, inter-token latency, end-to-end latency, queue time,
   prompt/generation token counters, finished requests by reason, requests running/waiting, KV
-  cache usage of the decode services, prefix-cache queries and hits (tokens);
+  cache usage of the decode services, prefix-cache queries and hits (tokens), preemptions;
 - ``cpserve_*``: the router's own (outcomes, retries, the TTFT stages, per-service health, queue
   depth and decode rows per rank, KV transfer). ``cpserve_router_ttft_seconds``,
   ``_tpot_seconds`` and ``_e2e_seconds`` stay for bench/serving.py and the tests that read them.
@@ -77,6 +77,8 @@ class RouterMetrics:
                                               "Prompt tokens looked up in the prefill prefix caches")
         self.prefix_cache_hits = per_model(Counter, "prefix_cache_hits",
                                            "Prompt tokens found in the prefill prefix caches")
+        self.preemptions = per_model(Counter, "num_preemptions",
+                                     "Generations preempted on decode for want of cache rows (each then resumed)")
 
         # ---- the router's own -----------------------------------------------------------------
         self.ttft = Histogram("cpserve_router_ttft_seconds", "Time to first token, request arrival to first token",

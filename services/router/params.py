@@ -39,7 +39,7 @@ logger = logging.getLogger("cpserve.router")
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
-MAX_N = 16  # samples per prompt: each is its own generation, with its own rows
+MAX_N = 16  # samples per prompt: forks of one prefill, sharing the prompt's rows on decode
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_CHOICES = MAX_N * 4  # n × prompts
 ROLES = ("system", "developer", "user", "assistant")
@@ -72,7 +72,7 @@ class ModelContext:
     eos_token_ids: tuple[int, ...]
     max_positions: int
     capacity_tokens: Callable[[], int | None]  # smallest decode cache, once known
-    default_max_tokens: int = 16
+    default_max_tokens: int | None = None  # for requests without max_tokens (None: up to the context limit)
     sampling_defaults: tuple[tuple[str, float], ...] = ()  # generation_config.json's temperature/top_p/top_k
 
     def token_limit(self) -> tuple[int, str]:
@@ -81,6 +81,14 @@ class ModelContext:
         if cap is not None and cap < self.max_positions:
             return cap, f"the smallest decode cache ({cap} tokens)"
         return self.max_positions, f"the maximum model length ({self.max_positions} tokens)"
+
+    def max_tokens_for(self, num_prompt: int, given: int | None) -> int:
+        """A request's max_tokens: as given, else (as vLLM) up to the context limit — capped by
+        ``default_max_tokens`` when the router is configured with one."""
+        if given is not None:
+            return given
+        room = max(self.token_limit()[0] - num_prompt, 1)  # a prompt at the limit is refused by check_length
+        return room if self.default_max_tokens is None else min(self.default_max_tokens, room)
 
 
 @dataclass(frozen=True)
@@ -435,14 +443,12 @@ def _prompts(req: CompletionBody | ChatBody, ctx: ModelContext) -> list[tuple[li
     return out
 
 
-def _max_tokens(req: CompletionBody | ChatBody, ctx: ModelContext) -> int:
+def _max_tokens(req: CompletionBody | ChatBody) -> int | None:
+    """max_tokens (or chat's max_completion_tokens) as given; None: not given."""
     alias = getattr(req, "max_completion_tokens", None)
     if None not in (req.max_tokens, alias) and req.max_tokens != alias:
         raise invalid("max_completion_tokens", f"differs from max_tokens ({req.max_tokens} vs {alias})")
-    max_tokens = req.max_tokens or alias or ctx.default_max_tokens
-    if req.min_tokens > max_tokens:
-        raise invalid("min_tokens", f"must be <= max_tokens ({max_tokens}), got {req.min_tokens}")
-    return max_tokens
+    return req.max_tokens or alias
 
 
 def _stops(req: CompletionBody | ChatBody, ctx: ModelContext) -> tuple[tuple[str, ...], list[int]]:
@@ -488,7 +494,7 @@ def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
     req = validate(ChatBody if chat else CompletionBody, body)
     _check_model(req.model, ctx)
     prompts = _prompts(req, ctx)
-    max_tokens = _max_tokens(req, ctx)
+    given = _max_tokens(req)
     if req.n * len(prompts) > MAX_CHOICES:
         raise invalid("n", f"n ({req.n}) times the number of prompts ({len(prompts)}) may be at most {MAX_CHOICES}")
     stop_strings, stop_ids = _stops(req, ctx)
@@ -498,23 +504,22 @@ def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
     if opts is not None and not req.stream:
         raise invalid("stream_options", "is only allowed with stream: true")
     usage = opts is not None and opts.include_usage
-    for ids, param, _ in prompts:
-        check_length(len(ids), max_tokens, ctx, param, "max_tokens")
-
-    sampling = _sampling(req, ctx, max_tokens, stop_ids, logprobs)
-    stop_set = stop_token_set(sampling, ctx.eos_token_ids)
+    jobs = []
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    choices = []
-    for i, (ids, _, text) in enumerate(prompts):
-        for j in range(req.n):
-            s = common_pb2.Sampling()
-            s.CopyFrom(sampling)
-            if req.seed is not None:
-                s.seed = (req.seed + j) % (MAX_SEED + 1)  # sample j of a prompt: seed + j
-            index = i * req.n + j
-            job = Job(request_id if index == 0 else f"{request_id}-{index}", tuple(ids), s)
-            choices.append(CompletionRequest(job, stop_strings, stop_set, index, i, req.include_stop_str_in_output,
-                                             req.skip_special_tokens, text))
+    for i, (ids, param, _) in enumerate(prompts):
+        max_tokens = ctx.max_tokens_for(len(ids), given)
+        check_length(len(ids), max_tokens, ctx, param, "max_tokens")
+        if req.min_tokens > max_tokens:
+            raise invalid("min_tokens", f"must be <= max_tokens ({max_tokens}), got {req.min_tokens}")
+        sampling = _sampling(req, ctx, max_tokens, stop_ids, logprobs)
+        if req.seed is not None:
+            sampling.seed = req.seed  # sample j of a prompt: seed + j (drawn by the prefill service)
+        # the n samples of a prompt are forks of one prefill, sharing its rows on decode
+        jobs.append(Job(request_id if i == 0 else f"{request_id}-{i}", tuple(ids), sampling, req.n))
+    stop_set = stop_token_set(jobs[0].sampling, ctx.eos_token_ids)
+    choices = [CompletionRequest(job, stop_strings, stop_set, i * req.n + j, i, req.include_stop_str_in_output,
+                                 req.skip_special_tokens, text, j)
+               for i, (job, (_, _, text)) in enumerate(zip(jobs, prompts)) for j in range(req.n)]
     # as vLLM: running usage on every chunk only when usage is asked for at all
     return ParsedRequest(tuple(choices), req.stream, usage, req.return_token_ids,
                          usage and opts.continuous_usage_stats, logprobs, not chat and req.echo, len(prompts))
