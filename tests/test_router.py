@@ -7,6 +7,7 @@ fake gRPC services. One end-to-end test with real services is marked slow.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import dataclasses
 import json
 from pathlib import Path
@@ -856,12 +857,17 @@ def test_failure_before_first_token_retries_on_another_pair(start_router):
 
 
 def test_failures_that_exhaust_retries_or_are_final(start_router):
-    # no rows anywhere: 503 + Retry-After after trying every pair
+    # no rows anywhere: 429 + Retry-After once the router's bounded wait is over (or at once
+    # when its queue is full)
     full = FakeDecode(fail_reserve=BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, "capacity: no free rows", "d0"))
-    h = start_router(decodes=[full])
+    h = start_router(decodes=[full], queue_timeout_s=0.5)
+    t0 = time.monotonic()
     resp = post(h, "/v1/completions", {"prompt": "x"})
-    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
-    assert resp.json()["error"]["code"] == "overloaded"
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "1" and time.monotonic() - t0 >= 0.5
+    assert resp.json()["error"]["code"] == "overloaded" and "queue_timeout_s" in resp.json()["error"]["message"]
+    h = start_router(decodes=[full], queue_size=0)
+    resp = post(h, "/v1/completions", {"prompt": "x"})
+    assert resp.status_code == 429 and "queue_size" in resp.json()["error"]["message"]
     # a service's INVALID_ARGUMENT is the request's fault: 400 naming the field, no retry
     strict = FakePrefill("p0", fail=BackendError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: too odd", "p0"))
     other = FakePrefill("p1")
@@ -873,6 +879,52 @@ def test_failures_that_exhaust_retries_or_are_final(start_router):
     h = start_router(prefills=prefills, max_retries=2)
     assert post(h, "/v1/completions", {"prompt": "x"}).status_code == 503
     assert sum(len(p.jobs) for p in prefills) == 3
+
+
+class LimitedDecode(FakeDecode):
+    """A decode service with room for ``rows`` requests at once: Reserve is RESOURCE_EXHAUSTED
+    while they are taken; a request's rows come back when its stream ends or it is aborted."""
+
+    def __init__(self, rows: int, **kw):
+        super().__init__(**kw)
+        self.rows, self.held, self.refused = rows, set(), 0
+
+    async def reserve(self, job, timeout):
+        if len(self.held) >= self.rows:
+            self.refused += 1
+            raise BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, "capacity: no free rows", self.address)
+        r = await super().reserve(job, timeout)
+        self.held.add(r.id)
+        return r
+
+    async def generate(self, job, reservation, first, timeout):
+        try:
+            async for event in super().generate(job, reservation, first, timeout):
+                yield event
+        finally:
+            self.held.discard(reservation.id)
+
+    async def abort(self, reservation, timeout):
+        self.held.discard(reservation.id)
+        await super().abort(reservation, timeout)
+
+
+def test_requests_wait_in_the_router_for_cache_rows(start_router):
+    """Rows for one request at a time: three requests sent together are all served, one after
+    the other (the later two queued in the router, retried as rows come free); with no queue,
+    the ones that find no rows get 429 at once."""
+    decode = LimitedDecode(1, delay_s=0.05)
+    h = start_router(decodes=[decode], queue_timeout_s=20)
+    with ThreadPoolExecutor(3) as pool:
+        codes = list(pool.map(lambda _: post(h, "/v1/completions", {"prompt": "x", "max_tokens": 6}).status_code,
+                              range(3)))
+    assert codes == [200, 200, 200] and len(decode.reserved) == 3 and decode.refused >= 2
+    decode = LimitedDecode(1, delay_s=0.2)
+    h = start_router(decodes=[decode], queue_size=0)
+    with ThreadPoolExecutor(3) as pool:
+        codes = sorted(pool.map(lambda _: post(h, "/v1/completions", {"prompt": "x", "max_tokens": 6}).status_code,
+                                range(3)))
+    assert codes == [200, 429, 429]
 
 
 def test_failure_after_first_token_ends_stream_with_error_and_marks_decode_unhealthy(start_router):

@@ -239,6 +239,10 @@ class RouterConfig(_InternalPlaneConfig):
     api_key: str | None = Field(None, repr=False)  # set: clients must send "Authorization: Bearer <key>"
     api_key_file: str | None = None  # the api key from a file (or $CPSERVE_API_KEY), not a flag that shows in ps
     max_retries: int = Field(2, ge=0)  # other pairs tried after a failure before the first token
+    # no room on any decode service (cache rows, or a full engine queue): up to queue_size requests wait,
+    # each up to queue_timeout_s, retried as requests end; past that RESOURCE_EXHAUSTED / HTTP 429
+    queue_size: int = Field(256, ge=0)
+    queue_timeout_s: float = Field(30.0, ge=0)
     request_timeout_s: float = Field(600.0, gt=0)  # a whole request, arrival to last token
     rpc_timeout_s: float = Field(5.0, gt=0)  # health, Status and Abort calls
     health_interval_s: float = Field(2.0, gt=0)  # health and Status polling of every service

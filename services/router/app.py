@@ -66,9 +66,11 @@ def api_error_of(e: BackendError) -> ApiError:
     if e.code == c.INVALID_ARGUMENT:
         m = _FIELD_PREFIX.match(e.message)
         return ApiError(400, e.message, m.group(1) if m else None, "invalid_value")
-    if e.code in (c.RESOURCE_EXHAUSTED, c.UNAVAILABLE):
-        code = "overloaded" if e.code == c.RESOURCE_EXHAUSTED else "service_unavailable"
-        return ApiError(503, str(e), None, code, "service_unavailable_error", {"Retry-After": RETRY_AFTER_S})
+    if e.code == c.RESOURCE_EXHAUSTED:  # no room, after the router's bounded wait (services/router/dispatch.py)
+        return ApiError(429, str(e), None, "overloaded", "rate_limit_error", {"Retry-After": RETRY_AFTER_S})
+    if e.code == c.UNAVAILABLE:
+        return ApiError(503, str(e), None, "service_unavailable", "service_unavailable_error",
+                        {"Retry-After": RETRY_AFTER_S})
     if e.code == c.DEADLINE_EXCEEDED:
         return ApiError(504, str(e), None, "timeout", "timeout_error")
     return ApiError(502, str(e), None, e.code.name.lower(), "server_error")

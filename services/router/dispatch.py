@@ -11,6 +11,11 @@ Failure rules:
 
 - before the first token is handed out, a retryable :class:`BackendError` aborts the reservation
   and the request moves to the least loaded pair not yet tried (at most ``max_retries`` moves);
+- when every pair tried was out of room (RESOURCE_EXHAUSTED: no free cache rows on decode, or a
+  full engine queue), the request waits in the router's :class:`CapacityQueue` — at most
+  ``queue_size`` requests, each at most ``queue_timeout_s`` — and tries again whenever a request
+  of this router ends (its rows are free) or ``POLL_S`` passes (another router's may have ended);
+  past the queue's limit it fails with RESOURCE_EXHAUSTED (HTTP 429);
 - after it, the error propagates to the caller (who ends its stream with an error);
 - a decode service failing with UNAVAILABLE (Reserve or its stream) is marked unhealthy at once;
 - whenever the generator is closed early (client gone, stop string found), the decode stream is
@@ -35,21 +40,83 @@ from services.router.stages import TtftClock
 logger = logging.getLogger("cpserve.router")
 
 
+class CapacityQueue:
+    """Requests of this router waiting for room (cache rows) on the decode services.
+
+    At most ``size`` wait at once, each at most ``timeout_s``; a waiter wakes when a request of
+    this router ends (``freed``) or after ``POLL_S`` (rows freed by another router, or a lease
+    that lapsed, send no signal here). Waiters race for the rows when they wake: the wait is
+    bounded, not first-come-first-served."""
+
+    POLL_S = 0.25
+
+    def __init__(self, size: int, timeout_s: float):
+        self.size, self.timeout_s = size, timeout_s
+        self.waiting = 0
+        self._freed: asyncio.Event | None = None
+
+    def freed(self) -> None:
+        """Rows may be free now: wake every waiter."""
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = None
+
+    async def wait(self, until: float) -> None:
+        """Sleep until ``freed`` or POLL_S passes (never past ``until``, the loop's clock)."""
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        left = min(self.POLL_S, until - asyncio.get_running_loop().time())
+        if left > 0:
+            try:
+                await asyncio.wait_for(self._freed.wait(), left)
+            except TimeoutError:
+                pass
+
+
 class Dispatcher:
     def __init__(self, cluster: Cluster, prefill_clients: dict[str, PrefillClient],
                  decode_clients: dict[str, DecodeClient], metrics: RouterMetrics, *, max_retries: int,
-                 request_timeout_s: float, rpc_timeout_s: float):
+                 request_timeout_s: float, rpc_timeout_s: float, queue: CapacityQueue | None = None):
         self.cluster, self.metrics = cluster, metrics
         self.prefill_clients, self.decode_clients = prefill_clients, decode_clients
         self.max_retries, self.request_timeout_s, self.rpc_timeout_s = max_retries, request_timeout_s, rpc_timeout_s
+        self.queue = queue if queue is not None else CapacityQueue(0, 0.0)
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, job: Job, clock: TtftClock | None = None) -> AsyncIterator[Token | Done]:
         """Token 0 (from prefill), tokens 1.. (from decode), then one Done; or a BackendError.
-        ``clock`` gets the stages of the time to token 0 (services/router/stages.py)."""
+        ``clock`` gets the stages of the time to token 0 (services/router/stages.py); a wait in
+        the capacity queue counts as ``reserve``."""
         clock = clock or TtftClock()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout_s
+        queue, queued_until, started = self.queue, None, False
+        try:
+            while True:
+                try:
+                    async for event in self._attempts(job, clock, deadline):
+                        started = True
+                        yield event
+                    return
+                except BackendError as e:
+                    if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or started:
+                        raise
+                    if queued_until is None:  # enter the queue, if there is room in it
+                        if queue.waiting >= queue.size:
+                            raise BackendError(e.code, f"{e.message} (and {queue.waiting} requests already "
+                                               f"wait for room: the router's queue_size)", e.service) from None
+                        queue.waiting += 1
+                        queued_until = min(loop.time() + queue.timeout_s, deadline)
+                    if loop.time() >= queued_until:
+                        raise BackendError(e.code, f"{e.message} (no room came free in the router's "
+                                           f"queue_timeout_s, {queue.timeout_s:g} s)", e.service) from None
+                    await queue.wait(queued_until)
+        finally:
+            if queued_until is not None:
+                queue.waiting -= 1
+
+    async def _attempts(self, job: Job, clock: TtftClock, deadline: float) -> AsyncIterator[Token | Done]:
+        """One round: the least loaded pair, then others on a retryable failure (max_retries)."""
         tried: set[tuple[str, str]] = set()
         last: BackendError | None = None
         for attempt in range(self.max_retries + 1):
@@ -64,8 +131,9 @@ class Dispatcher:
                 try:
                     reservation, first = await self._prefill(prefill, decode, job, deadline, clock)
                 except BackendError as e:
-                    logger.warning("request %s: attempt %d on (%s, %s) failed: %s", job.request_id, attempt + 1,
-                                   prefill.address, decode.address, e)
+                    full = e.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # routine while requests queue
+                    logger.log(logging.INFO if full else logging.WARNING, "request %s: attempt %d on (%s, %s) "
+                               "failed: %s", job.request_id, attempt + 1, prefill.address, decode.address, e)
                     if not e.retryable:
                         raise
                     last = e
@@ -126,6 +194,7 @@ class Dispatcher:
         finally:
             if not finished:
                 self._abort_soon(decode, reservation)
+            self.queue.freed()
 
     def _remaining(self, deadline: float) -> float:
         left = deadline - asyncio.get_running_loop().time()

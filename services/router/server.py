@@ -25,7 +25,7 @@ from services.router.completion import CompletionRunner
 from services.common import rpc
 from services.common.config import RouterConfig
 from services.common.security import InternalPlane, read_secret
-from services.router.dispatch import Dispatcher
+from services.router.dispatch import CapacityQueue, Dispatcher
 from services.router.grpc_front import GrpcFront, RouterServicer
 from services.router.health import HealthMonitor
 from services.router.metrics import RouterMetrics
@@ -130,7 +130,8 @@ async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, de
     d_clients = {c.address: c for c in decodes}
     ctx = model_context(config, cluster)
     dispatcher = Dispatcher(cluster, p_clients, d_clients, metrics, max_retries=config.max_retries,
-                            request_timeout_s=config.request_timeout_s, rpc_timeout_s=config.rpc_timeout_s)
+                            request_timeout_s=config.request_timeout_s, rpc_timeout_s=config.rpc_timeout_s,
+                            queue=CapacityQueue(config.queue_size, config.queue_timeout_s))
     runner = CompletionRunner(dispatcher, ctx.tokenizer, metrics)
     monitor = HealthMonitor(cluster, p_clients, d_clients, metrics, config.health_interval_s, config.rpc_timeout_s)
 
