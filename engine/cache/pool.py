@@ -28,7 +28,7 @@ from engine.model.config import ModelConfig
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
-    """A zero tensor whose CPU memory is an anonymous mapping: the kernel hands out zero pages
+    """A zero tensor whose CPU memory is a private anonymous mapping: the kernel hands out zero pages
     as they are first written, so a cache pool costs resident memory for the rows it holds,
     not for its capacity (what ``bench/capacity.py`` measures), and a page-aligned address for
     the transfer engine. torch.zeros would write every page at start-up."""
@@ -37,7 +37,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
 
 
 class KVPool:
