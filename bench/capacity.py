@@ -25,8 +25,8 @@ Reported per point:
   and against C = 1 of the same layout; fp8 / bf16 tokens against the formula's ratio;
 - the pool's real tensor bytes per rank (≤ the budget);
 - RSS growth per cached token on each rank, on the pages actually touched: pools are zero
-  pages until written (engine/cache/pool.py ``zeroed``), so the resident bytes of the pool's own
-  mappings (``/proc/<pid>/smaps``) grow with what is written; their growth over the fill,
+  pages until written (engine/cache/pool.py ``zeroed``), so the pools' resident pages (``mincore``
+  over the pool tensors, the rank's ``memory``) grow with what is written; their growth over the fill,
   divided by the tokens resident, against the formula's bytes per token per rank (the busiest
   rank). The whole process's ``VmRSS`` growth is reported too: Mooncake's receive path and
   Python allocate a little as well, so it is an upper bound.
@@ -57,24 +57,6 @@ def formula(cfg, fmt, dcp: int, indexer: str):
 
 def rss(pids: list[int]) -> list[int]:
     return [proc_status(pid)["VmRSS"] for pid in pids]
-
-
-def pool_rss(pid: int, starts: set[int]) -> int:
-    """Resident bytes of the mappings that start at ``starts`` (a rank's pool tensors: each is
-    its own anonymous mapping), from /proc/<pid>/smaps."""
-    total, inside = 0, False
-    with open(f"/proc/{pid}/smaps") as fh:
-        for line in fh:
-            head = line.split(None, 1)[0]
-            if "-" in head and not head.endswith(":"):
-                inside = int(head.split("-")[0], 16) in starts
-            elif inside and head == "Rss:":
-                total += int(line.split()[1]) * 1024
-    return total
-
-
-def pool_starts(endpoint) -> set[int]:
-    return {endpoint.latent_ptr, *endpoint.index_ptrs.values()}
 
 
 def fill(pre, dec, base: list[int], span: int, log) -> tuple[int, int]:
@@ -108,12 +90,10 @@ def measure(kind: str, dcp: int, indexer: str, budget: int, page_size: int, pre,
                          kv_transport="tcp", reference_prefill=False, lease_s=3600, write_lease_s=3600,
                          kv_cache_dtype=kind) as dec:
         pids = dec.group.pids
-        before = rss(pids)
-        pool_before = [pool_rss(pid, pool_starts(ep)) for pid, ep in zip(pids, dec.endpoints)]
+        before, pool_before = rss(pids), [m["resident_bytes"] for m in dec.group.call("memory")]
         requests, tokens = fill(pre, dec, base, page_size * dcp, log)
-        after = rss(pids)
-        touched = [pool_rss(pid, pool_starts(ep)) - b for pid, ep, b in zip(pids, dec.endpoints, pool_before)]
-        mem = dec.group.call("memory")
+        after, mem = rss(pids), dec.group.call("memory")
+        touched = [m["resident_bytes"] - b for m, b in zip(mem, pool_before)]
         free_pages = dec.allocator.num_free
         cfg, fmt = dec.cfg, dec.kv_format
     plan = formula(cfg, fmt, dcp, indexer)

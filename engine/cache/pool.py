@@ -17,6 +17,7 @@ Memory: rows × (layers × entry_bytes + indexer_layers × index_bytes), reserve
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 
@@ -38,6 +39,22 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s memory pages that are resident now (Linux ``mincore``): for a pool made by
+    :func:`zeroed`, what the rows written so far cost."""
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    end = t.data_ptr() + t.numel() * t.element_size()
+    if end <= start:
+        return 0
+    pages = (end - start + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return int((torch.frombuffer(vec, dtype=torch.uint8) & 1).sum()) * page
 
 
 class KVPool:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from engine.cache.gather import RowGatherer, fused_decode_attention
 from engine.cache.kvformat import KVFormat
-from engine.cache.pool import zeroed
+from engine.cache.pool import resident_bytes, zeroed
 from engine.handoff import RankEndpoint, kv_backend
 from engine.model.attention import merge_partials, topk_mask, topk_select
 from engine.model.batch import ForwardBatch, RequestView
@@ -322,9 +322,11 @@ class DecodeRank:
         return {"rows": mine, "latent": self.latent[:, mine].clone()}
 
     def memory(self) -> dict:
+        """Pool bytes reserved, and resident so far (the pools' pages are touched as rows are written)."""
         latent = self.latent.numel() * self.latent.element_size()
         index = sum(t.numel() * t.element_size() for t in self.index.values())
-        return {"latent_bytes": latent, "index_bytes": index, "num_rows": self.num_rows}
+        resident = sum(resident_bytes(t) for t in (self.latent, *self.index.values()))
+        return {"latent_bytes": latent, "index_bytes": index, "num_rows": self.num_rows, "resident_bytes": resident}
 
     def stats(self) -> dict:
         return dict(self.bytes_sent, experts=getattr(self.moe, "bytes_sent", 0))
