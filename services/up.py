@@ -123,6 +123,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dcp-comm", choices=["a2a", "ag_rs"], default=None)
     p.add_argument("--moe-parallel", choices=["ep", "replicate"], default=None,
                    help="routed experts split across each group's ranks (ep, default) or held whole by every rank")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp32", "bf16", "fp8", "fp8_ds_mla"], default=None,
+                   help="how prefill and decode store cache entries (default auto: the compute dtype; "
+                        "fp8, fp8_ds_mla: FP8 layouts, docs/architecture.md)")
     p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
                    help="decode cache bytes per rank, e.g. 2GiB (default: sized by tokens)")
     p.add_argument("--threads-per-rank", type=int, default=None,
@@ -224,7 +227,7 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
                      ("--internal-token-file", args.internal_token_file), ("--tls-cert", args.tls_cert),
                      ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)])
     engine_common = _flags([("--dtype", args.dtype), ("--generation-config", args.generation_config),
-                            ("--moe-parallel", args.moe_parallel)])
+                            ("--moe-parallel", args.moe_parallel), ("--kv-cache-dtype", args.kv_cache_dtype)])
     threads = cluster_threads(args, quiet)
     children = []
     try:

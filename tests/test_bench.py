@@ -24,6 +24,8 @@ BENCHES = {  # benchmark → (plot it writes, a key its JSON must have)
     "load": ("load.png", "pass"),
     "memory": ("memory.png", "within_10pct"),
     "engine": ("engine.png", "tokens_match"),
+    "capacity": ("capacity.png", "min_ratio_to_formula"),
+    "kv_quality": ("kv_quality.png", "results"),
 }
 
 
