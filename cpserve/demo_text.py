@@ -6,6 +6,7 @@ bench/needle.py build their prompts with the same functions:
 
 - :func:`story` — a short children's story from a small vocabulary (the readable text);
 - :func:`chat_pair` — a question and its answer (facts, small sums, greetings, stories);
+- :func:`repeat_pair` — numbers to repeat (teaches copying, which retrieval needs);
 - :func:`passkey_task` / :func:`kv_task` — a haystack of stories with a needle at a chosen
   depth and a question about it, as one user message and the expected answer.
 
@@ -131,6 +132,14 @@ def chat_pair(rng: random.Random) -> tuple[str, str]:
     q = rng.choice([f"Tell me a story about {_a(animal)}.", f"Tell me a short story about {_a(animal)}.",
                     f"Can you tell me a story about {_a(animal)}?"])
     return q, story(rng, animal)
+
+
+def repeat_pair(rng: random.Random) -> tuple[str, str]:
+    """"Repeat these numbers": every digit of the answer is copied from the question (training
+    data that rewards copying at every answer token, so the model learns to copy early)."""
+    numbers = " ".join(str(rng.randrange(10 ** (n - 1), 10 ** n)) for n in
+                       (rng.randint(2, 6) for _ in range(rng.randint(2, 8))))
+    return f"Repeat these numbers: {numbers}", f"{numbers}."
 
 
 @dataclass(frozen=True)

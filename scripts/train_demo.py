@@ -137,17 +137,24 @@ class Rows:
         return words
 
     def row(self, length: int) -> tuple[list[int], list[int]]:
-        """A retrieval task filling most of the row (half the rows), then shorter tasks, chat
-        turns and stories up to ``length + 1`` tokens. Only task answers are masked: a chat
-        answer is text (it would outweigh the few needle digits in the answer loss)."""
+        """A retrieval task filling most of the row (half the rows), then shorter tasks, numbers
+        to repeat, chat turns and stories up to ``length + 1`` tokens. The mask marks what is
+        copied from earlier in the row: a task answer's needle digits and name, a repeated
+        number's digits; a chat answer is text."""
         rng = self.rng
         ids, mask = self.task(int(length * (0.1 + 0.85 * rng.random() ** 0.5))) if rng.random() < TASK_SHARE \
             else ([], [])
         while len(ids) < length + 1:
             room = length + 1 - len(ids)
-            if rng.random() < 0.5 and room > 96:
+            pick = rng.random()
+            if pick < 0.4 and room > 96:
                 more, m = self.task(rng.randint(64, room - 32))
-            elif rng.random() < 0.5:
+            elif pick < 0.6:
+                user, answer = demo_text.repeat_pair(rng)
+                more, m = self.turn(user, answer)
+                n = len(self.encode(answer)) + 1
+                m = m[: len(m) - n] + [self.tok.id_to_token(t).isdigit() for t in more[len(more) - n:]]
+            elif pick < 0.8:
                 more = self.turn(*demo_text.chat_pair(rng))[0]
                 m = [0] * len(more)
             else:
