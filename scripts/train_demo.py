@@ -50,9 +50,12 @@ MODEL = dict(
     v_head_dim=48, n_routed_experts=0, n_shared_experts=0, first_k_dense_replace=4, rope_interleave=True,
     tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2, initializer_range=0.02,
 )
-# (steps, sequence length, rows per step): short rows first (cheap text and first retrieval), then
-# long ones. The last phase's length is the training length that yarn extends.
-PHASES = [(400, 256, 16), (200, 512, 8), (80, 2048, 2), (50, 4096, 1)]
+# Short rows first (cheap text and first retrieval), then long ones. The last phase's length is
+# the training length that yarn extends.
+# (steps, sequence length, rows per step, data): first only numbers to repeat (every answer
+# digit is a copy, so the copying circuit forms before retrieval needs it), then everything.
+PHASES = [(150, 128, 32, "copy"), (300, 256, 16, "all"), (180, 512, 8, "all"), (80, 2048, 2, "all"),
+          (50, 4096, 1, "all")]
 LR, WARMUP, WEIGHT_DECAY = 2e-3, 60, 0.1
 # Yarn: the early phases train with default rotary; the last phase (the training length) trains
 # with yarn scaling by YARN_FACTOR over it, which the release config keeps, so positions up to
@@ -136,6 +139,20 @@ class Rows:
             words.add(t.answer.split()[3])  # "The code for NAME is ..."
         return words
 
+    def repeat(self) -> tuple[list[int], list[int]]:
+        """Numbers to repeat; the mask marks the answer's digits."""
+        user, answer = demo_text.repeat_pair(self.rng)
+        ids, mask = self.turn(user, answer)
+        n = len(self.encode(answer)) + 1
+        return ids, mask[: len(mask) - n] + [self.tok.id_to_token(t).isdigit() for t in ids[len(ids) - n:]]
+
+    def copy_row(self, length: int) -> tuple[list[int], list[int]]:
+        ids, mask = [], []
+        while len(ids) < length + 1:
+            more, m = self.repeat()
+            ids, mask = ids + more, mask + m
+        return ids[: length + 1], mask[: length + 1]
+
     def row(self, length: int) -> tuple[list[int], list[int]]:
         """A retrieval task filling most of the row (half the rows), then shorter tasks, numbers
         to repeat, chat turns and stories up to ``length + 1`` tokens. The mask marks what is
@@ -150,10 +167,7 @@ class Rows:
             if pick < 0.4 and room > 96:
                 more, m = self.task(rng.randint(64, room - 32))
             elif pick < 0.6:
-                user, answer = demo_text.repeat_pair(rng)
-                more, m = self.turn(user, answer)
-                n = len(self.encode(answer)) + 1
-                m = m[: len(m) - n] + [self.tok.id_to_token(t).isdigit() for t in more[len(more) - n:]]
+                more, m = self.repeat()
             elif pick < 0.8:
                 more = self.turn(*demo_text.chat_pair(rng))[0]
                 m = [0] * len(more)
@@ -163,10 +177,10 @@ class Rows:
             ids, mask = ids + more, mask + m
         return ids[: length + 1], mask[: length + 1]
 
-    def batch(self, length: int, rows: int):
+    def batch(self, length: int, rows: int, data: str = "all"):
         import torch
 
-        pairs = [self.row(length) for _ in range(rows)]
+        pairs = [(self.copy_row if data == "copy" else self.row)(length) for _ in range(rows)]
         ids = torch.tensor([p[0] for p in pairs])
         mask = torch.tensor([p[1] for p in pairs], dtype=torch.bool)
         return ids[:, :-1], ids[:, 1:], mask[:, 1:]
@@ -253,7 +267,7 @@ def plot(log: list[dict], path: Path) -> None:
     ax.plot(steps, [r["text_loss"] for r in log], label="text tokens")
     ax.plot(steps, [r["answer_loss"] for r in log], label="answer tokens")
     start = 0
-    for n, length, _ in PHASES:
+    for n, length, *_ in PHASES:
         ax.axvline(start, color="grey", lw=0.5)
         ax.text(start, ax.get_ylim()[1] * 0.9, f" {length}", fontsize=8)
         start += n
@@ -289,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     tok = train_tokenizer(random.Random(SEED))
     rows = Rows(tok, rng)
-    phases = [(max(1, round(n * args.scale)), length, b) for n, length, b in PHASES]
-    total = sum(n for n, _, _ in phases)
+    phases = [(max(1, round(n * args.scale)), length, b, data) for n, length, b, data in PHASES]
+    total = sum(n for n, *_ in phases)
     train_len = phases[-1][1]
     model = transformers.DeepseekV3ForCausalLM(hf_config(train_len, yarn=False))
     model.train()
@@ -304,11 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     step, t_train = 0, time.time()
     bar = tqdm(total=total, unit="step", dynamic_ncols=True, mininterval=2)
     probe_rng = random.Random(SEED + 1)
-    for i, (n, length, batch) in enumerate(phases):
+    for i, (n, length, batch, data) in enumerate(phases):
         if i == len(phases) - 1:
             use_rope(model, hf_config(train_len, yarn=True))
         for _ in range(n):
-            inp, tgt, mask = rows.batch(length, batch)
+            inp, tgt, mask = rows.batch(length, batch, data)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total)
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -318,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
-            entry = {"step": step, "length": length, "text_loss": round(float(text), 4),
+            entry = {"step": step, "length": length, "data": data, "text_loss": round(float(text), 4),
                      "answer_loss": round(float(answer), 4)}
             if args.probe_every and (step % args.probe_every == 0 or step == total):
                 model.eval()
@@ -341,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     checksum = sha256(out / "model.safetensors")
     record = {"seed": SEED, "phases": phases, "threads": args.threads, "parameters": sum(p_.numel() for p_ in model.parameters()),
               "wall_s": round(time.time() - t_start, 1), "train_s": round(train_s, 1),
-              "steps_per_s": round(total / train_s, 3), "tokens_per_s": round(sum(n * l * b for n, l, b in phases) / train_s, 1),
+              "steps_per_s": round(total / train_s, 3), "tokens_per_s": round(sum(n * l * b for n, l, b, _ in phases) / train_s, 1),
               "model_safetensors_sha256": checksum, "torch": torch.__version__, "transformers": transformers.__version__,
               "final": log[-1], "log": log}
     (out / "train_log.json").write_text(json.dumps(record, indent=1))
