@@ -6,7 +6,7 @@ bench/needle.py build their prompts with the same functions:
 
 - :func:`story` — a short children's story from a small vocabulary (the readable text);
 - :func:`chat_pair` — a question and its answer (facts, small sums, greetings, stories);
-- :func:`repeat_pair` — numbers to repeat (teaches copying, which retrieval needs);
+- :func:`repeat_pair` — words to repeat (teaches copying, which retrieval needs);
 - :func:`passkey_task` / :func:`kv_task` — a haystack of stories with a needle at a chosen
   depth and a question about it, as one user message and the expected answer.
 
@@ -134,12 +134,21 @@ def chat_pair(rng: random.Random) -> tuple[str, str]:
     return q, story(rng, animal)
 
 
+WORDS = sorted(set(NAMES) | set(ANIMALS) | set(PLACES) | set(THINGS) | set(COLORS))
+
+
 def repeat_pair(rng: random.Random) -> tuple[str, str]:
-    """"Repeat these numbers": every digit of the answer is copied from the question (training
-    data that rewards copying at every answer token, so the model learns to copy early)."""
-    numbers = " ".join(str(rng.randrange(10 ** (n - 1), 10 ** n)) for n in
-                       (rng.randint(2, 6) for _ in range(rng.randint(2, 8))))
-    return f"Repeat these numbers: {numbers}", f"{numbers}."
+    """"Repeat these words": every answer word is copied from the question (training data that
+    rewards copying at every answer token, so the model learns to copy before it must retrieve).
+    The words differ from each other, so the word before says which one comes next."""
+    words = " ".join(rng.sample(WORDS, rng.randint(3, 12)))
+    return f"Repeat these words: {words}", f"The words: {words}."
+
+
+def number(rng: random.Random) -> str:
+    """A 5-digit number with 5 different digits (so each digit says which one follows it)."""
+    first = rng.choice("123456789")
+    return first + "".join(rng.sample([d for d in "0123456789" if d != first], 4))
 
 
 @dataclass(frozen=True)
@@ -181,8 +190,8 @@ def _insert(rng: random.Random, sentences: list[str], needles: list[tuple[float,
 
 
 def passkey_task(rng: random.Random, n_tokens: int, depth: float, count: Callable[[str], int]) -> Task:
-    """The pass key (5 digits) in a haystack of about ``n_tokens`` tokens, at ``depth``."""
-    key = str(rng.randrange(10000, 100000))
+    """The pass key (5 different digits) in a haystack of about ``n_tokens`` tokens, at ``depth``."""
+    key = number(rng)
     head, question = "There is a pass key hidden in this text. Find it and remember it.", "What is the pass key?"
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     budget = n_tokens - count(head) - count(" " + needle) - count("\n" + question) - 12
@@ -194,7 +203,7 @@ def kv_task(rng: random.Random, n_tokens: int, depth: float, count: Callable[[st
     """Key–value lookup: ``pairs`` secret codes of different people, the asked one at ``depth``
     and the others at random depths."""
     names = rng.sample(list(NAMES), pairs)
-    codes = [str(rng.randrange(10000, 100000)) for _ in names]
+    codes = [number(rng) for _ in names]
     head = "Some people in this text have secret codes. Remember them."
     question = f"What is the code for {names[0]}?"
     needles = [(depth, f"The code for {names[0]} is {codes[0]}.")]

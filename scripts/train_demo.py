@@ -52,10 +52,10 @@ MODEL = dict(
 )
 # Short rows first (cheap text and first retrieval), then long ones. The last phase's length is
 # the training length that yarn extends.
-# (steps, sequence length, rows per step, data): first only numbers to repeat (every answer
-# digit is a copy, so the copying circuit forms before retrieval needs it), then everything.
-PHASES = [(150, 128, 32, "copy"), (300, 256, 16, "all"), (180, 512, 8, "all"), (80, 2048, 2, "all"),
-          (50, 4096, 1, "all")]
+# (steps, sequence length, rows per step, data): first only words to repeat (every answer word
+# is a copy, so the copying circuit forms before retrieval needs it), then everything.
+PHASES = [(250, 128, 16, "copy"), (300, 256, 16, "all"), (150, 512, 8, "all"), (60, 2048, 2, "all"),
+          (40, 4096, 1, "all")]
 LR, WARMUP, WEIGHT_DECAY = 2e-3, 60, 0.1
 # Yarn: the early phases train with default rotary; the last phase (the training length) trains
 # with yarn scaling by YARN_FACTOR over it, which the release config keeps, so positions up to
@@ -121,8 +121,10 @@ class Rows:
 
     def task(self, n_tokens: int):
         """A pass-key or key–value task of about ``n_tokens`` tokens, the needle at any depth."""
-        make = demo_text.passkey_task if self.rng.random() < 0.5 else demo_text.kv_task
-        t = make(self.rng, n_tokens, self.rng.random(), self.count)
+        if self.rng.random() < 0.5:
+            t = demo_text.passkey_task(self.rng, n_tokens, self.rng.random(), self.count)
+        else:
+            t = demo_text.kv_task(self.rng, n_tokens, self.rng.random(), self.count, pairs=self.rng.randint(1, 4))
         ids, mask = self.turn(t.prompt, t.answer)
         # The answer loss is on what must be retrieved: the needle's digits (and the asked name,
         # copied from the question); the rest of the answer is a fixed phrase, learnt as text.
@@ -140,11 +142,12 @@ class Rows:
         return words
 
     def repeat(self) -> tuple[list[int], list[int]]:
-        """Numbers to repeat; the mask marks the answer's digits."""
+        """Words to repeat; the mask marks the answer's repeated words."""
         user, answer = demo_text.repeat_pair(self.rng)
         ids, mask = self.turn(user, answer)
+        words = set(user.split(": ")[1].split())
         n = len(self.encode(answer)) + 1
-        return ids, mask[: len(mask) - n] + [self.tok.id_to_token(t).isdigit() for t in ids[len(ids) - n:]]
+        return ids, mask[: len(mask) - n] + [self.tok.id_to_token(t).lstrip("Ġ") in words for t in ids[len(ids) - n:]]
 
     def copy_row(self, length: int) -> tuple[list[int], list[int]]:
         ids, mask = [], []
@@ -154,7 +157,7 @@ class Rows:
         return ids[: length + 1], mask[: length + 1]
 
     def row(self, length: int) -> tuple[list[int], list[int]]:
-        """A retrieval task filling most of the row (half the rows), then shorter tasks, numbers
+        """A retrieval task filling most of the row (half the rows), then shorter tasks, words
         to repeat, chat turns and stories up to ``length + 1`` tokens. The mask marks what is
         copied from earlier in the row: a task answer's needle digits and name, a repeated
         number's digits; a chat answer is text."""
