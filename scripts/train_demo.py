@@ -46,17 +46,18 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ 
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 MODEL = dict(
     vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+    num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
     v_head_dim=48, n_routed_experts=0, n_shared_experts=0, first_k_dense_replace=4, rope_interleave=True,
-    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2, initializer_range=0.02,
+    tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2, initializer_range=0.02,
 )
 # Short rows first (cheap text and first retrieval), then long ones. The last phase's length is
 # the training length that yarn extends.
 # (steps, sequence length, rows per step, data): first only words to repeat (every answer word
 # is a copy, so the copying circuit forms before retrieval needs it), then everything.
-PHASES = [(250, 128, 16, "copy"), (300, 256, 16, "all"), (150, 512, 8, "all"), (60, 2048, 2, "all"),
-          (40, 4096, 1, "all")]
-LR, WARMUP, WEIGHT_DECAY = 2e-3, 60, 0.1
+# Many small steps: the copying circuit forms after a number of updates, not of tokens.
+PHASES = [(400, 128, 16, "copy"), (1200, 256, 8, "all"), (200, 512, 4, "all"), (40, 2048, 1, "all"),
+          (30, 4096, 1, "all")]
+LR, WARMUP, WEIGHT_DECAY = 2e-3, 100, 0.1
 # Yarn: the early phases train with default rotary; the last phase (the training length) trains
 # with yarn scaling by YARN_FACTOR over it, which the release config keeps, so positions up to
 # 8 × the training length reuse rotation angles the model has seen (the slow dimensions are
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=str(ROOT / "docs" / "demo-training.png"))
     p.add_argument("--threads", type=int, default=2, help="torch threads (part of what makes runs repeat)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every phase's steps (short trial runs)")
-    p.add_argument("--probe-every", type=int, default=100, help="steps between retrieval probes (0: none)")
+    p.add_argument("--probe-every", type=int, default=200, help="steps between retrieval probes (0: none)")
     args = p.parse_args(argv)
 
     # Idle OpenMP threads sleep instead of spinning: on a shared machine spinning threads stall
