@@ -41,8 +41,9 @@ SEED = 1234
 VOCAB = 1024
 SPECIALS = ["<bos>", "<eos>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
 # Assistant turns end with EOS, so a generated answer stops there.
+# (No newline right after a block tag: transformers renders with trim_blocks, which drops it.)
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+                 "{{ eos_token if m['role'] == 'assistant' else '' }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 MODEL = dict(
     vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -55,9 +56,10 @@ MODEL = dict(
 # (steps, sequence length, rows per step, data): first only words to repeat (every answer word
 # is a copy, so the copying circuit forms before retrieval needs it), then everything.
 # Many small steps: the copying circuit forms after a number of updates, not of tokens.
-PHASES = [(400, 128, 16, "copy"), (1200, 256, 8, "all"), (200, 512, 4, "all"), (40, 2048, 1, "all"),
+PHASES = [(500, 128, 16, "copy"), (1500, 256, 8, "all"), (200, 512, 4, "all"), (40, 2048, 1, "all"),
           (30, 4096, 1, "all")]
-LR, WARMUP, WEIGHT_DECAY = 2e-3, 100, 0.1
+LR, WARMUP, WEIGHT_DECAY = 4e-3, 100, 0.1
+ANSWER_WEIGHT = 4.0  # the copied tokens' mean loss counts this many times the text's
 # Yarn: the early phases train with default rotary; the last phase (the training length) trains
 # with yarn scaling by YARN_FACTOR over it, which the release config keeps, so positions up to
 # 8 × the training length reuse rotation angles the model has seen (the slow dimensions are
@@ -222,7 +224,7 @@ def loss_of(model, inp, tgt, mask):
     logits = model(input_ids=inp).logits.float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view(tgt.shape)
     text, answer = ce[~mask].mean(), ce[mask].mean() if mask.any() else ce.new_zeros(())
-    return text + answer, text.detach(), answer.detach()
+    return text + ANSWER_WEIGHT * answer, text.detach(), answer.detach()
 
 
 def lr_at(step: int, total: int) -> float:
