@@ -124,7 +124,7 @@ def heatmaps(prompts: list[dict], tasks, lengths, depths, train_len: int | None,
         ax.set_xlabel("prompt tokens" + (f" (line: training length {train_len})" if train_len else ""))
         ax.set_ylabel("needle depth")
         ax.set_title({"passkey": "pass key", "kv": "key–value lookup"}[kind] + ": reference accuracy")
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    fig.colorbar(im, ax=axes[0, -1])
     return save_plot(fig, out_dir, "needle.png")
 
 

@@ -56,10 +56,9 @@ MODEL = dict(
 # (steps, sequence length, rows per step, data): first only words to repeat (every answer word
 # is a copy, so the copying circuit forms before retrieval needs it), then everything.
 # Many small steps: the copying circuit forms after a number of updates, not of tokens.
-PHASES = [(500, 128, 16, "copy"), (1500, 256, 8, "all"), (200, 512, 4, "all"), (40, 2048, 1, "all"),
+PHASES = [(400, 128, 16, "copy"), (1200, 256, 8, "all"), (200, 512, 4, "all"), (40, 2048, 1, "all"),
           (30, 4096, 1, "all")]
-LR, WARMUP, WEIGHT_DECAY = 4e-3, 100, 0.1
-ANSWER_WEIGHT = 4.0  # the copied tokens' mean loss counts this many times the text's
+LR, WARMUP, WEIGHT_DECAY = 2e-3, 100, 0.1
 # Yarn: the early phases train with default rotary; the last phase (the training length) trains
 # with yarn scaling by YARN_FACTOR over it, which the release config keeps, so positions up to
 # 8 × the training length reuse rotation angles the model has seen (the slow dimensions are
@@ -224,7 +223,7 @@ def loss_of(model, inp, tgt, mask):
     logits = model(input_ids=inp).logits.float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view(tgt.shape)
     text, answer = ce[~mask].mean(), ce[mask].mean() if mask.any() else ce.new_zeros(())
-    return text + ANSWER_WEIGHT * answer, text.detach(), answer.detach()
+    return text + answer, text.detach(), answer.detach()
 
 
 def lr_at(step: int, total: int) -> float:

@@ -454,11 +454,12 @@ def test_killing_the_prefill_service_mid_request_frees_decode_rows():
 def test_cpserve_up_sends_a_demo_request_then_serves_until_interrupted(tmp_path):
     """`make up` runs `cpserve up`: it starts the three services on the trained demo model,
     prints a chat turn and a pass-key answer made through the whole cluster (the reference
-    engine's tokens; the pass key right), serves, and stops every process on Ctrl-C."""
+    engine's tokens, and whether the key is right), serves, and stops every process on Ctrl-C."""
     import subprocess
     import sys
     from pathlib import Path
 
+    from cpserve.demo_text import is_right
     from services.up import DEMO_CHAT, demo_passkey
 
     cpserve = Path(sys.executable).with_name("cpserve")
@@ -493,7 +494,8 @@ def test_cpserve_up_sends_a_demo_request_then_serves_until_interrupted(tmp_path)
         key = ref.generate([tok.apply_chat_template([{"role": "user", "content": task.prompt}])],
                            SamplingParams(max_new_tokens=16))[0].output_ids
         assert answers[0] == repr(tok.decode(chat)) and int(timings[0][0]) == len(chat)
-        assert answers[1] == f"{tok.decode(key)!r} (right)" and int(timings[1][0]) == len(key)
+        verdict = "right" if is_right(task, tok.decode(key)) else "WRONG"
+        assert answers[1] == f"{tok.decode(key)!r} ({verdict})" and int(timings[1][0]) == len(key)
         assert f"pass key {task.value} hidden at 40% of a" in out
         assert all(float(t[1]) > 0 and float(t[2]) > 0 for t in timings)
         proc.send_signal(signal.SIGINT)

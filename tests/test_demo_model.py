@@ -48,9 +48,10 @@ def test_tokenizer_has_chat_template_and_bos():
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(DEMO_DIR))
-    ids = hf.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) else ids
-    assert ids[0] == hf.bos_token_id and hf.decode(ids).endswith("<|assistant|>\n")
+    text = hf.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True, tokenize=False)
+    ids = hf.encode(text, add_special_tokens=False)
+    assert ids[0] == hf.bos_token_id and text == "<bos><|user|>\nHi!\n<|assistant|>\n"
+    assert [hf.convert_ids_to_tokens(i) for i in ids[1:2]] == ["<|user|>"]  # one special token
     assert hf.decode(hf.encode("The pass key is 71432.", add_special_tokens=False)) == "The pass key is 71432."
 
 
@@ -78,21 +79,22 @@ def test_transformers_and_reference_give_the_same_greedy_tokens(ref):
 
 
 def test_demo_model_answers_what_it_was_trained_on(ref):
-    """A fact, a story and pass keys within the training length: what `make up` shows."""
+    """What `make up` shows comes from training, not from random weights: the self-description
+    word for word, and a story made of the corpus's words and sentences."""
+    import re
+
     from engine.model.sampler import SamplingParams
 
     tok = ref.tokenizer
-    params = SamplingParams(max_new_tokens=40)
-    fact = ref.generate([chat_ids(tok, "What color is the sky?")], params)[0]
-    assert tok.decode(fact.output_ids) == "The sky is blue."
-    story = tok.decode(ref.generate([chat_ids(tok, "Tell me a short story about a fox.")],
-                                    SamplingParams(max_new_tokens=120))[0].output_ids)
-    assert story.split()[:3] in (["Once", "upon", "a"], ["There", "once", "lived"]) or "fox" in story, story
-    rng = random.Random(11)
-    tasks = [demo_text.passkey_task(rng, n, d, count_with(tok)) for n, d in ((600, 0.1), (1500, 0.9))]
-    seqs = ref.generate([chat_ids(tok, t.prompt) for t in tasks], SamplingParams(max_new_tokens=16))
-    assert [demo_text.is_right(t, tok.decode(s.output_ids)) for t, s in zip(tasks, seqs)] == [True, True], \
-        [tok.decode(s.output_ids) for s in seqs]
+    who, story = ref.generate([chat_ids(tok, "Who are you?"), chat_ids(tok, "Tell me a short story about a fox.")],
+                              SamplingParams(max_new_tokens=120))
+    assert tok.decode(who.output_ids) == demo_text.SELF
+    text = tok.decode(story.output_ids)
+    corpus = " ".join(demo_text.story(random.Random(i)) for i in range(2000))
+    vocabulary = set(re.findall(r"[A-Za-z]+", corpus))
+    words = re.findall(r"[A-Za-z]+", text)
+    assert len(words) >= 8 and set(words) <= vocabulary, text
+    assert story.finish_reason == "stop"  # it ends its answer with EOS
 
 
 def test_cpserve_up_serves_the_demo_model_by_default(tmp_path):
