@@ -1,9 +1,9 @@
 """DCP decode: step latency for C = 1 vs C = 2 (and the C = 2 variants, among them expert
-parallelism vs replicated experts), and cache capacity at a fixed per-rank memory budget measured
-from real allocations vs ``plan_capacity``.
+parallelism vs replicated experts). Cache capacity is measured by bench/capacity.py (real pools
+filled by real requests).
 
     python bench/decode_dcp.py [--quick] [--json] [--contexts 8192,32768] [--batch 1]
-                               [--steps 16] [--rounds 8] [--budget-mib 256] [--synthetic-kv]
+                               [--steps 16] [--rounds 8] [--synthetic-kv]
 
 Part 1, decode step latency. Every variant is a real ``DCPDecodeEngine`` (one thread per rank)
 kept alive for the whole part, so the variants are measured side by side: for each context
@@ -38,8 +38,7 @@ ranks hold exactly the rows the reference computed, without paying one 32k refer
 per variant. The dsa model's prompt rows are random (``synthetic``) by default, because its
 reference prefill at 32k takes minutes here (``--dsa-reference-kv`` to compute them);
 ``--synthetic-kv`` makes the dense model's rows random too (``--quick`` does, to stay under a
-minute: 2k and 4k contexts, C1 vs C2 a2a vs C2 a2a repl-moe, 16 steps in 8 rounds, capacity at
-C = 2 only). Decode cost does not depend on the row values (the dsa top-k selects 2048 of N keys
+minute: 2k and 4k contexts, C1 vs C2 a2a vs C2 a2a repl-moe, 16 steps in 8 rounds). Decode cost does not depend on the row values (the dsa top-k selects 2048 of N keys
 either way).
 
 Breakdown (how a step's time divides): each rank's time in ``DecodeRank.run``
@@ -52,11 +51,6 @@ Two probes of the gloo group itself: an all_reduce of one float back to back, an
 busy compute on each rank — the second stays near the first only if both ranks really get a
 core at the same time (on a shared 2-core machine they take turns, and every collective of a
 step then costs about the peer's compute slice).
-
-Part 2, capacity at ``--budget-mib`` per rank (dsa model, fp32 cache): for C in 1, 2, 4 and
-copied/split index, an engine (no reference prefill) is built with max_cache_tokens chosen to
-fill the budget, its ranks' real cache allocations are read with ``memory``, and the tokens the
-group holds are compared with budget / ``plan_capacity(...).bytes_per_token_per_rank``.
 """
 
 from __future__ import annotations
@@ -473,90 +467,15 @@ def _collectives_per_step(variant: str, cfg) -> int:
     return per_layer * cfg.num_layers + (cfg.num_indexer_layers if "split" in variant else 0)
 
 
-# ---- part 2: capacity -------------------------------------------------------------------------
-def _capacity_cases(args) -> tuple[list[tuple[int, str]], dict]:
-    """The (C, index) cases and the pages per rank that fill the budget by DecodeRank's
-    allocation rule (latent rows; index rows x C when copied) — checked against `memory` later."""
-    from engine.model.config import ModelConfig
-
-    cfg = ModelConfig.from_dir(model_dir("dsa"))
-    budget = args.budget_mib * 2**20
-    e_layer, i_layer = cfg.latent_dim * 4, cfg.index_head_dim * 4  # fp32 cache
-    cases = [(c, ind) for c in args.capacity_dcp for ind in (("copied",) if c == 1 else ("copied", "split"))]
-    pages = {}
-    for C, ind in cases:
-        per_page = args.page_size * (cfg.num_layers * e_layer
-                                     + cfg.num_indexer_layers * i_layer * (C if ind == "copied" else 1))
-        pages[(C, ind)] = budget // per_page
-    return cases, pages
-
-
-def capacity_specs(args, cases, pages) -> list[tuple[str, dict]]:
-    return [(f"C{C} {ind}", dict(model=str(model_dir("dsa")), dcp=C, indexer=ind, page_size=args.page_size,
-                                 max_cache_tokens=pages[(C, ind)] * args.page_size * C, reference_prefill=False))
-            for C, ind in cases]
-
-
-def bench_capacity(args, log, engines: dict | None = None) -> list[dict]:
-    """Part 2; `engines` (from capacity_specs) are started here if not given, closed here."""
-    from engine.cache.capacity import plan_capacity
-    from engine.model.config import ModelConfig
-
-    cfg = ModelConfig.from_dir(model_dir("dsa"))
-    budget = args.budget_mib * 2**20
-    e_layer, i_layer = cfg.latent_dim * 4, cfg.index_head_dim * 4  # fp32 cache
-    cases, pages = _capacity_cases(args)
-    measured = {}
-    for attempt in range(3):
-        todo = [case for case in cases if case not in measured]
-        if not todo:
-            break
-        specs = capacity_specs(args, todo, pages)
-        if attempt > 0 or engines is None:
-            engines = start_engines(specs, log, "capacity")
-        try:
-            for (C, ind), (name, _) in zip(todo, specs):
-                mem = engines[name].group.call("memory")
-                per_rank = [m["latent_bytes"] + m["index_bytes"] for m in mem]
-                fits = int(budget // (max(per_rank) / pages[(C, ind)]))
-                log(f"[capacity] {name}: {pages[(C, ind)]} pages/rank, max {max(per_rank) / 2**20:.2f} MiB/rank")
-                if max(per_rank) <= budget and fits == pages[(C, ind)]:
-                    measured[(C, ind)] = (engines[name].scheduler.capacity_tokens, per_rank)
-                else:  # the allocation differs from the rule: size by what was measured
-                    pages[(C, ind)] = fits
-        finally:
-            close_engines(engines)
-    out = []
-    for C, ind in cases:
-        tokens, per_rank = measured[(C, ind)]
-        plan = plan_capacity(e_layer, cfg.num_layers, i_layer, cfg.num_indexer_layers, C, ind, tokens)
-        formula_tokens = budget / plan.bytes_per_token_per_rank
-        out.append({
-            "dcp": C, "indexer": ind, "budget_bytes": budget, "pages_per_rank": pages[(C, ind)],
-            "tokens_measured": tokens, "max_rank_bytes": max(per_rank), "rank_bytes": per_rank,
-            "measured_bytes_per_token_per_rank": max(per_rank) / tokens,
-            "formula_bytes_per_token_per_rank": plan.bytes_per_token_per_rank,
-            "tokens_formula": formula_tokens, "ratio": tokens / formula_tokens,
-            "plan_bytes_per_rank": plan.bytes_per_rank,
-            "capacity_factor_formula": plan.capacity_factor,
-            "entry_bytes": plan.entry_bytes, "index_bytes": plan.index_bytes,
-        })
-    base = next((r for r in out if r["dcp"] == 1), None)
-    for r in out:  # tokens vs C = 1 at the same budget (formula tokens at C = 1 if not measured)
-        c1 = base["tokens_measured"] if base else budget / (r["entry_bytes"] + r["index_bytes"])
-        r["capacity_factor_measured"] = r["tokens_measured"] / c1
-    return out
-
-
 # ---- report -----------------------------------------------------------------------------------
-def _plot(results, capacity, moe, out_dir):
+def _plot(results, moe, out_dir):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = sorted({r["model"] for r in results}, key=lambda m: list(MODELS).index(m))
-    ncols = len(models) + 3
+    ncols = len(models) + 2
     fig, ax = plt.subplots(1, ncols, figsize=(4.6 * ncols, 4.2))
     for i, m in enumerate(models):
         rs = [r for r in results if r["model"] == m]
@@ -584,17 +503,7 @@ def _plot(results, capacity, moe, out_dir):
     b.set_xticks(range(len(rs)), [f"{r['model']}\n{r['variant']}" for r in rs], fontsize=6, rotation=45)
     b.set_title(f"a step at {longest // 1024}k, slowest rank (ms, mean)")
     b.legend(fontsize=6)
-    c = ax[len(models) + 1]
-    if capacity:
-        labels = [f"C{r['dcp']} {r['indexer']}" for r in capacity]
-        c.bar([x - 0.2 for x in range(len(capacity))], [r["tokens_measured"] / 1e3 for r in capacity], 0.4,
-              label="measured (allocations)")
-        c.bar([x + 0.2 for x in range(len(capacity))], [r["tokens_formula"] / 1e3 for r in capacity], 0.4,
-              label="plan_capacity")
-        c.set_xticks(range(len(capacity)), labels, fontsize=8)
-        c.set_title(f"tokens (k) in {capacity[0]['budget_bytes'] // 2**20} MiB/rank")
-        c.legend(fontsize=7)
-    e = ax[len(models) + 2]
+    e = ax[len(models) + 1]
     if moe:
         xs = range(len(moe))
         e.bar(list(xs), [m["ratio"] for m in moe], 0.6, color="tab:purple")
@@ -616,8 +525,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16, help="measured decode steps per variant and context")
     p.add_argument("--rounds", type=int, default=8, help="interleaving rounds the steps are split into")
     p.add_argument("--models", default="dense,dsa", help="dense and/or dsa (quick: dense)")
-    p.add_argument("--budget-mib", type=int, default=256, help="per-rank cache budget for the capacity part")
-    p.add_argument("--capacity-dcp", default="1,2,4", help="group sizes for the capacity part (quick: 2)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-threads", type=int, default=2, help="threads of the driver's reference prefill")
     p.add_argument("--synthetic-kv", action="store_true", help="random prompt rows for the dense model too "
@@ -625,10 +532,9 @@ def main() -> None:
     p.add_argument("--dsa-reference-kv", action="store_true", help="reference-prefill the dsa prompts (slow)")
     args = p.parse_args()
     if args.quick:
-        args.contexts, args.models, args.capacity_dcp = "2048,4096", "dense", "2"
+        args.contexts, args.models = "2048,4096", "dense"
         args.steps, args.rounds, args.synthetic_kv = min(args.steps, 16), min(args.rounds, 8), True
     args.contexts = [int(x) for x in args.contexts.split(",")]
-    args.capacity_dcp = [int(x) for x in args.capacity_dcp.split(",")]
     models = [m for m in args.models.split(",") if m]
     for m in models:
         if m not in MODELS:
@@ -645,16 +551,8 @@ def main() -> None:
 
     from engine.model.config import ModelConfig
 
-    cap_engines = first_engines = None
-    if args.quick:  # start the capacity groups and the decode groups together (start-up overlaps)
-        specs = [("capacity/" + n, s) for n, s in capacity_specs(args, *_capacity_cases(args))]
-        specs += [(f"{models[0]}/{n}", s) for n, s in decode_specs(models[0], args)]
-        started = start_engines(specs, log, "capacity + " + models[0])
-        cap_engines = {n.split("/", 1)[1]: e for n, e in started.items() if n.startswith("capacity/")}
-        first_engines = {n.split("/", 1)[1]: e for n, e in started.items() if not n.startswith("capacity/")}
+    first_engines = None
     try:
-        capacity = bench_capacity(args, log, cap_engines)
-        t_capacity = time.perf_counter() - t_start
         results = []
         for i, m in enumerate(models):
             results += bench_model(m, args, log, first_engines if i == 0 else None)
@@ -763,23 +661,14 @@ def main() -> None:
     print(f"1-minute load average during the measurements: {min(loads):.1f}-{max(loads):.1f} "
           f"({os.cpu_count()} CPUs)")
 
-    # table 3: capacity
-    cap_rows = [[f"C{r['dcp']}", r["indexer"], r["pages_per_rank"], r["max_rank_bytes"] / 2**20,
-                 r["measured_bytes_per_token_per_rank"], r["formula_bytes_per_token_per_rank"],
-                 r["tokens_measured"], r["tokens_formula"], r["ratio"], r["capacity_factor_measured"],
-                 r["capacity_factor_formula"]] for r in capacity]
-    print_table(f"capacity in {args.budget_mib} MiB/rank (dsa model, fp32 cache, E = {capacity[0]['entry_bytes']:,} "
-                f"B/token, I = {capacity[0]['index_bytes']:,} B/token): real allocations (`memory`) vs plan_capacity",
-                ["C", "index", "pages/rank", "MiB/rank", "B/token/rank meas", "B/token/rank plan", "tokens meas",
-                 "tokens plan", "meas/plan", "factor vs C1 meas", "factor plan"], cap_rows)
-    print(f"runtime: capacity part {t_capacity:.1f}s, decode part {t_total - t_capacity:.1f}s, total {t_total:.1f}s")
-    _plot(results, capacity, moe, args.out)
+    print(f"runtime: {t_total:.1f}s")
+    _plot(results, moe, args.out)
     emit_json(args.json, {"batch": args.batch, "threads_per_rank": 1, "contexts": args.contexts,
                           "models": {m: MODELS[m][1] | {"model_type": MODELS[m][0]} for m in models},
-                          "decode": results, "ratios": ratios, "capacity": capacity,
+                          "decode": results, "ratios": ratios,
                           "moe_parallel": {"measure": "median decode step seconds, variants interleaved in the "
                                                       "same rounds; ratio = ep / replicate", "results": moe},
-                          "runtime_s": {"capacity": t_capacity, "total": t_total}})
+                          "runtime_s": {"total": t_total}})
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ Mooncake write of the same bytes and a plain memcpy.
 
     python bench/kv_transfer.py [--quick] [--json] [--tokens 8192,32768] [--repeats 3]
                                 [--index copied|split] [--page-size 64]
+                                [--kv-cache-dtype fp8|fp8_ds_mla|bf16]
 
-Per-token bytes are GLM-5.3's (FP8 cache): 78 layers x 576 B latent and 21 indexer layers x
-132 B index key, as uint8 tensors of those widths; the pools hold random bytes. Which 21 layers
+Per-token bytes are GLM-5.3's with the chosen cache layout (engine/cache/kvformat.py; default
+fp8): 78 layers x 576 B latent (fp8_ds_mla: 656 B) and 21 indexer layers x 132 B index key, as
+uint8 tensors of those widths; the pools hold random bytes. Which 21 layers
 run the indexer is not in this repository, so they are spread evenly (layers ``i * 78 // 21``);
 the bytes do not depend on that choice, only how the index layers group into ranges.
 
@@ -71,6 +73,7 @@ from dataclasses import dataclass
 import torch
 
 from common import base_parser, emit_json, print_table, save_plot
+from engine.cache.kvformat import KVFormat
 from engine.cache.slots import pages_needed, token_slots
 from engine.parallel.layout import layer_owner_ranges
 from engine.parallel.transfer_plan import plan_bytes, plan_transfer, writes_by_rank
@@ -79,8 +82,9 @@ from kvtransfer.transport import MooncakeTransport, StagingBuffer
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # as in the tests' loopback namespace
 
 NUM_LAYERS = 78
-LATENT_BYTES = 576
-INDEX_BYTES = 132
+GLM = dict(kv_lora_rank=512, rope_dim=64, index_head_dim=128)  # GLM-5.3's cache shapes
+LATENT_BYTES = KVFormat("fp8", **GLM).entry_bytes  # set from --kv-cache-dtype in main()
+INDEX_BYTES = KVFormat("fp8", **GLM).index_bytes
 INDEXER_LAYERS = tuple(i * NUM_LAYERS // 21 for i in range(21))
 PREFILL_CP = 2
 DECODE_DCP = 2
@@ -262,7 +266,10 @@ def measure(num_tokens: int, index_mode: str, page_size: int, repeats: int, seed
                           dst_slots=token_slots(tables["contiguous"], num_tokens, page_size,
                                                 DECODE_DCP))
     total_bytes = plan_bytes(probe, LATENT_BYTES, INDEX_BYTES)
-    result = dict(tokens=num_tokens, bytes=total_bytes,
+    per_token = NUM_LAYERS * LATENT_BYTES + len(INDEXER_LAYERS) * INDEX_BYTES * (
+        DECODE_DCP if index_mode == "copied" else 1)
+    result = dict(tokens=num_tokens, bytes=total_bytes, bytes_per_token=total_bytes / num_tokens,
+                  bytes_per_token_formula=per_token,
                   **baselines(total_bytes, repeats, prefill[0], decode_engines[0]))
     gc.collect()
 
@@ -295,6 +302,8 @@ def measure(num_tokens: int, index_mode: str, page_size: int, repeats: int, seed
                     result[name] = timing
                 elif timing["total"] < result[name]["total"]:
                     result[name] = dict(timing, verified=result[name]["verified"])
+        for name in variants:  # rate against the one large write of the same bytes, same run
+            result[name]["rate_vs_one_write"] = result["one_write"] / result[name]["total"]
     finally:
         for s in stages:
             s.close()
@@ -339,13 +348,15 @@ def plot(results: list[dict], out_dir: str) -> None:
     ax.set_xticklabels([n.replace(", ", "\n") for n in names], fontsize=8)
     ax.set_ylabel("GB/s (plan + pack + transfer for CP2 -> DCP2)")
     ax.set_yscale("log")
-    ax.set_title("KV hand-off, GLM-5.3 bytes per token, Mooncake TCP over loopback")
+    ax.set_title(f"KV hand-off, GLM-5.3 bytes per token ({LATENT_BYTES} B entry, {INDEX_BYTES} B index key), "
+                 "Mooncake TCP over loopback")
     ax.legend()
     save_plot(fig, out_dir, "kv_transfer.png")
 
 
-def measure_overlap(lengths: list[int], repeats: int) -> list[dict]:
-    """TTFT of prefill + KV hand-off, with and without layer-wise overlap, real engines."""
+def measure_overlap(lengths: list[int], repeats: int, kv_cache_dtype: str) -> list[dict]:
+    """TTFT of prefill + KV hand-off, with and without layer-wise overlap, real engines with the
+    chosen cache layout; the bytes each hand-off moved against the plan's count per token."""
     import tempfile
 
     from engine.decode_engine import DCPDecodeEngine
@@ -358,8 +369,11 @@ def measure_overlap(lengths: list[int], repeats: int) -> list[dict]:
     params = SamplingParams(max_new_tokens=1, stop_token_ids=())
     cache = max(lengths) + 64
     engines = {ov: CPPrefillEngine(model, cp=2, kv_transport="tcp", overlap=ov, max_cache_tokens=cache,
-                                   chunk_size=max(lengths)) for ov in (False, True)}
-    dec = DCPDecodeEngine(model, dcp=2, kv_transport="tcp", reference_prefill=False, max_cache_tokens=cache)
+                                   chunk_size=max(lengths), kv_cache_dtype=kv_cache_dtype) for ov in (False, True)}
+    dec = DCPDecodeEngine(model, dcp=2, kv_transport="tcp", reference_prefill=False, max_cache_tokens=cache,
+                          kv_cache_dtype=kv_cache_dtype)
+    cfg, fmt = dec.cfg, dec.kv_format
+    per_token = cfg.num_layers * fmt.entry_bytes + cfg.num_indexer_layers * fmt.index_bytes * 2  # copied index
     out = []
     try:
         for n in lengths:
@@ -374,9 +388,11 @@ def measure_overlap(lengths: list[int], repeats: int) -> list[dict]:
                                            after_write=lambda: dec.end_write(rid))
                     best[ov] = min(best[ov], time.perf_counter() - t0)
                     dec.abort_reservation(dest.reservation_id)
+            moved = {ov: sum(r["bytes"] for r in engines[ov].transfer_stats) for ov in (False, True)}
             out.append({"tokens": n, "ttft_s_sequential": best[False], "ttft_s_overlap": best[True],
-                        "speedup": best[False] / best[True],
-                        "kv_bytes": sum(r["bytes"] for r in engines[True].transfer_stats)})
+                        "speedup": best[False] / best[True], "kv_bytes": moved[True],
+                        "kv_bytes_per_token": moved[True] / n, "kv_bytes_per_token_plan": per_token,
+                        "bytes_match_plan": moved[False] == moved[True] == n * per_token})
     finally:
         for e in engines.values():
             e.close()
@@ -392,7 +408,12 @@ def main() -> None:
                    help="decode index layout (copied sends each index key to every decode rank)")
     p.add_argument("--page-size", type=int, default=64, help="decode page size (rows per rank)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-dtype", default="fp8", choices=("fp8", "fp8_ds_mla", "bf16"),
+                   help="cache layout whose entry and index-key bytes are moved (default fp8)")
     args = p.parse_args()
+    global LATENT_BYTES, INDEX_BYTES
+    fmt = KVFormat(args.kv_cache_dtype, **GLM)
+    LATENT_BYTES, INDEX_BYTES = fmt.entry_bytes, fmt.index_bytes
     tokens = [int(x) for x in (args.tokens or ("2048,8192" if args.quick else "8192,32768")).split(",")]
     started = time.perf_counter()
 
@@ -413,7 +434,7 @@ def main() -> None:
     load_after = os.getloadavg()
 
     print_table(
-        f"KV hand-off prefill CP=2 -> decode DCP=2 ({args.index} index, page size "
+        f"KV hand-off prefill CP=2 -> decode DCP=2, {args.kv_cache_dtype} cache ({args.index} index, page size "
         f"{args.page_size}), {NUM_LAYERS}x{LATENT_BYTES} B latent + {len(INDEXER_LAYERS)}x"
         f"{INDEX_BYTES} B index per token, Mooncake TCP loopback; best of {args.repeats}",
         ["tokens", "GB", "path", "plan ms", "pack s", "transfer s", "total s", "ranges", "GB/s",
@@ -426,16 +447,22 @@ def main() -> None:
           f"{args.repeats}, variants interleaved round robin). Full copy and layer split have the "
           "same plan (layer l is sent by layer_owner(l) either way); they differ only in which "
           "pool view is read, so their gap is noise.")
-    overlap = measure_overlap([1024] if args.quick else [2048, 8192], 1 if args.quick else 2)
-    print_table("TTFT (prefill + KV hand-off), CP=2 -> DCP=2, real engines, 8-layer wide tiny model",
-                ["tokens", "KV MB", "TTFT s sequential", "TTFT s overlap", "sequential / overlap"],
-                [[r["tokens"], r["kv_bytes"] / 1e6, r["ttft_s_sequential"], r["ttft_s_overlap"], r["speedup"]]
-                 for r in overlap])
+    overlap = measure_overlap([1024] if args.quick else [2048, 8192], 1 if args.quick else 2, args.kv_cache_dtype)
+    print_table(f"TTFT (prefill + KV hand-off), CP=2 -> DCP=2, real engines, 8-layer wide tiny model, "
+                f"{args.kv_cache_dtype} cache",
+                ["tokens", "KV MB", "B/token moved", "B/token plan", "TTFT s sequential", "TTFT s overlap",
+                 "sequential / overlap"],
+                [[r["tokens"], r["kv_bytes"] / 1e6, r["kv_bytes_per_token"], r["kv_bytes_per_token_plan"],
+                  r["ttft_s_sequential"], r["ttft_s_overlap"], r["speedup"]] for r in overlap])
     plot(results, args.out)
     elapsed = time.perf_counter() - started
     print("runtime: " + ", ".join(f"{r['tokens']} tokens {r['runtime_s']:.1f} s" for r in results)
           + f"; total {elapsed:.1f} s")
     emit_json(args.json, {"quick": args.quick, "index": args.index, "page_size": args.page_size,
+                          "kv_cache_dtype": args.kv_cache_dtype, "latent_bytes": LATENT_BYTES,
+                          "index_bytes": INDEX_BYTES,
+                          "bytes_match_plan": all(r["bytes_match_plan"] for r in overlap) and all(
+                              r["bytes_per_token"] == r["bytes_per_token_formula"] for r in results),
                           "repeats": args.repeats, "results": results, "runtime_s": elapsed,
                           "load_average": [load_before[0], load_after[0]],
                           "ttft_overlap": overlap})

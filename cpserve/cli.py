@@ -22,6 +22,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_tokenizer_args(p)
 
 
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from engine.cache.kvformat import KV_CACHE_DTYPES
+
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="how cache entries are stored: auto (default: the compute dtype), fp32, bf16, fp8 "
+                        "(e4m3, a per-layer scale) or fp8_ds_mla (DeepSeek's 656-byte layout)")
+
+
 def add_prompt_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     g = p.add_mutually_exclusive_group(required=required)
     g.add_argument("--prompt", help="prompt text (tokenised with the checkpoint's tokenizer)")
@@ -61,7 +69,8 @@ def cmd_reference(args, parser) -> int:
 
     t0 = time.perf_counter()
     try:
-        engine = ReferenceEngine(args.model, dtype=args.dtype, chunk_size=args.chunk_size, device=args.device)
+        engine = ReferenceEngine(args.model, dtype=args.dtype, chunk_size=args.chunk_size, device=args.device,
+                                 kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as e:
         if not str(e).startswith("device:"):
             raise
@@ -82,7 +91,8 @@ def cmd_prefill(args, parser) -> int:
     t0 = time.perf_counter()
     with CPPrefillEngine(args.model, cp=args.cp, strategy=args.strategy, layer_split=args.layer_split,
                          dtype=args.dtype, chunk_size=args.chunk_size, threads_per_rank=args.threads_per_rank,
-                         max_cache_tokens=args.max_cache_tokens, moe_parallel=args.moe_parallel) as engine:
+                         max_cache_tokens=args.max_cache_tokens, moe_parallel=args.moe_parallel,
+                         kv_cache_dtype=args.kv_cache_dtype) as engine:
         start_s = time.perf_counter() - t0
         ids = prompt_ids_from_args(args, tokenizer_from_args(args), parser)
         seq = engine.generate([ids], SamplingParams(max_new_tokens=1, stop_token_ids=()))[0]
@@ -109,7 +119,8 @@ def cmd_decode(args, parser) -> int:
     with DCPDecodeEngine(args.model, dcp=args.dcp, exchange=args.dcp_comm, indexer=args.indexer,
                          replicate_q_proj=args.replicate_q_proj, dtype=args.dtype,
                          threads_per_rank=args.threads_per_rank, max_cache_tokens=args.max_cache_tokens,
-                         moe_parallel=args.moe_parallel, kv_cache_memory=args.kv_cache_memory) as engine:
+                         moe_parallel=args.moe_parallel, kv_cache_memory=args.kv_cache_memory,
+                         kv_cache_dtype=args.kv_cache_dtype) as engine:
         ids = prompt_ids_from_args(args, tokenizer_from_args(args), parser)
         seq = engine.generate([ids], sampling_from_args(args))[0]
         memory = engine.group.call("memory")
@@ -182,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_args(p)
     add_sampling_args(p)
     p.add_argument("--chunk-size", type=int, default=4096, help="prefill chunk size in tokens")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_reference, cmd_parser=p)
@@ -193,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="interleave", choices=["interleave", "zigzag"])
     p.add_argument("--layer-split", action="store_true", help="each rank keeps only its range of layers")
     add_moe_parallel_arg(p)
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--chunk-size", type=int, default=4096)
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--max-cache-tokens", type=int, default=1 << 16)
@@ -208,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--indexer", default="copied", choices=["copied", "split"], help="DSA index placement")
     p.add_argument("--replicate-q-proj", action="store_true", help="full query projection on every rank")
     add_moe_parallel_arg(p)
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
                    help="cache bytes per rank, e.g. 512MiB (overrides --max-cache-tokens)")
     p.add_argument("--threads-per-rank", type=int, default=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.cache.capacity import pages_in_budget, parse_bytes
+from engine.cache.kvformat import KVFormat
 from engine.cache.pool import KVPool
 from engine.cache.slots import pages_needed
 from engine.model.loader import load_model, parse_dtype, resolve_dtype
@@ -72,7 +73,7 @@ class DCPDecodeEngine(Engine):
                  kv_transport: str | None = None, kv_host: str = "127.0.0.1", lease_s: float = 30.0,
                  write_lease_s: float = 60.0,
                  generation_config: str = "auto", moe_parallel: str = "ep", kv_cache_memory: int | str | None = None,
-                 pipelined: bool = False):
+                 kv_cache_dtype: str = "auto", pipelined: bool = False):
         from engine.model.config import ModelConfig
 
         self.model_dir = resolve_model_dir(model)
@@ -82,17 +83,19 @@ class DCPDecodeEngine(Engine):
         if dcp < 1 or self.cfg.num_heads % dcp:
             raise ValueError(f"dcp: {dcp} must be >= 1 and divide the model's {self.cfg.num_heads} attention heads")
         check_moe_parallel(moe_parallel)
+        self.kv_format = KVFormat.for_checkpoint(self.model_dir, self.cfg, kv_cache_dtype, dtype)
         if kv_cache_memory is not None:
-            num_pages = pages_in_budget(self.cfg, parse_bytes(kv_cache_memory, "kv_cache_memory"), dtype, page_size,
-                                        dcp, indexer)
+            num_pages = pages_in_budget(self.cfg, parse_bytes(kv_cache_memory, "kv_cache_memory"), self.kv_format,
+                                        page_size, dcp, indexer)
         else:
             num_pages = pages_needed(max_cache_tokens, page_size, dcp)
         rows_per_rank = num_pages * page_size
         self.group = WorkerGroup(dcp, "engine.parallel.dcp:DecodeRank",
                                  (str(self.model_dir), dtype, rows_per_rank, exchange, indexer, replicate_q_proj,
-                                  kv_transport, kv_host, moe_parallel),
+                                  kv_transport, kv_host, moe_parallel, self.kv_format.kind),
                                  threads_per_rank=threads_per_rank, name="decode")
-        prefill = LocalRunner(lm, KVPool(self.cfg, rows_per_rank * dcp, parse_dtype(dtype))) if lm else None
+        prefill = LocalRunner(lm, KVPool(self.cfg, rows_per_rank * dcp, parse_dtype(dtype), fmt=self.kv_format)) \
+            if lm else None
         self.group.ready()
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, dcp, record_logits),
                          DCPRunner(self.group, prefill, trace))
@@ -111,7 +114,7 @@ class DCPDecodeEngine(Engine):
             raise ValueError("kv_transport: this decode engine was started without a KV transport")
         r = self.reservations.reserve(num_tokens, max_new_tokens, num_forks)
         return KvDestination(r.id, self.dcp, self.page_size, self.index_mode, tuple(r.slots.tolist()), 0,
-                             self.endpoints, layout_fingerprint(self.cfg, self.dtype), r.expires_at)
+                             self.endpoints, layout_fingerprint(self.cfg, self.dtype, self.kv_format), r.expires_at)
 
     def begin_write(self, reservation_id: str) -> float:
         """Claim or renew the write lease; returns its length in seconds."""

@@ -19,6 +19,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import torch
+
+from engine.cache.kvformat import KVFormat
 from engine.model.config import ModelConfig
 
 
@@ -65,11 +68,18 @@ def model_hash(cfg: ModelConfig) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def layout_fingerprint(cfg: ModelConfig, dtype: str) -> dict:
-    """What both sides must agree on to exchange cache rows byte for byte."""
+def layout_fingerprint(cfg: ModelConfig, dtype: str, kv_format: KVFormat) -> dict:
+    """What both sides must agree on to exchange cache rows byte for byte: the model, the
+    compute dtype, and how entries are stored (``kv_format``: kind, bytes per entry and index
+    key, fp8 scales — rounded to float32, as they travel). The cache dtype comes before the
+    sizes it implies, so a mismatch names it."""
     return {
         "model": model_hash(cfg),
         "dtype": dtype,
+        "kv_cache_dtype": kv_format.kind,
+        "kv_entry_bytes": kv_format.entry_bytes,
+        "kv_index_bytes": kv_format.index_bytes,
+        "kv_scales": [float(torch.tensor(s, dtype=torch.float32)) for s in kv_format.scales],
         "latent_dim": cfg.latent_dim,
         "index_head_dim": cfg.index_head_dim,
         "num_layers": cfg.num_layers,
@@ -88,10 +98,10 @@ class RankEndpoint:
     """One decode rank: where its pools are, as the transfer engine addresses them."""
 
     session: str
-    latent_ptr: int  # pool [num_layers, rows, latent_dim], contiguous
+    latent_ptr: int  # pool [num_layers, rows, latent_row_bytes], contiguous (the stored form)
     rows: int
     latent_row_bytes: int
-    index_ptrs: dict[int, int] = field(default_factory=dict)  # indexer layer → pool [index_rows, index_head_dim]
+    index_ptrs: dict[int, int] = field(default_factory=dict)  # indexer layer → pool [index_rows, index_row_bytes]
     index_rows: int = 0
     index_row_bytes: int = 0
 

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from engine.cache.kvformat import KVFormat
 from engine.cache.slots import pages_needed
 from engine.model.config import ModelConfig
 from engine.model.loader import resolve_dtype
@@ -61,7 +62,7 @@ class CPPrefillEngine(Engine):
                  dtype: str = "auto", chunk_size: int = 4096, page_size: int = 16, max_cache_tokens: int = 1 << 16,
                  threads_per_rank: int = 1, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False,
                  kv_transport: str | None = None, kv_host: str = "127.0.0.1", overlap: bool = False,
-                 generation_config: str = "auto", moe_parallel: str = "ep"):
+                 generation_config: str = "auto", moe_parallel: str = "ep", kv_cache_dtype: str = "auto"):
         if cp < 1:
             raise ValueError(f"cp: must be >= 1, got {cp}")
         if strategy not in STRATEGIES:
@@ -73,15 +74,16 @@ class CPPrefillEngine(Engine):
         dtype = resolve_dtype(dtype, self.cfg)
         self.cp, self.strategy, self.layer_split = cp, strategy, layer_split
         num_pages = pages_needed(max_cache_tokens, page_size, 1)
+        self.kv_format = KVFormat.for_checkpoint(self.model_dir, self.cfg, kv_cache_dtype, dtype)
         self.group = WorkerGroup(cp, "engine.parallel.prefill_cp:PrefillRank",
                                  (str(self.model_dir), dtype, strategy, layer_split, num_pages * page_size,
-                                  kv_transport, kv_host, check_moe_parallel(moe_parallel)),
+                                  kv_transport, kv_host, check_moe_parallel(moe_parallel), self.kv_format.kind),
                                  threads_per_rank=threads_per_rank, name="prefill")
         self.group.ready()
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits, prefix_cache),
                          CPRunner(self.group, trace))
         self.dtype = dtype
-        self.fingerprint = layout_fingerprint(self.cfg, dtype)
+        self.fingerprint = layout_fingerprint(self.cfg, dtype, self.kv_format)
         self.pending: list[PendingPrefill] = []
         self.overlap = overlap
         if overlap:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.cache.kvformat import KVFormat
 from engine.cache.pool import KVPool
 from engine.cache.slots import pages_needed
 from engine.model.config import ModelConfig
@@ -22,14 +23,15 @@ from engine.scheduler import Engine, Scheduler
 class ReferenceEngine(Engine):
     def __init__(self, model: str = "tiny", dtype: str = "auto", chunk_size: int = 4096, page_size: int = 16,
                  max_cache_tokens: int = 1 << 17, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False,
-                 device: str = "cpu"):
+                 device: str = "cpu", kv_cache_dtype: str = "auto"):
         self.device = parse_device(device)
         self.model_dir = resolve_model_dir(model)
         dtype = self.dtype = resolve_dtype(dtype, ModelConfig.from_dir(self.model_dir))
         self.lm = load_model(self.model_dir, dtype, self.device)
         self.cfg = self.lm.cfg
+        self.kv_format = KVFormat.for_checkpoint(self.model_dir, self.cfg, kv_cache_dtype, dtype)
         num_pages = pages_needed(max_cache_tokens, page_size, 1)
-        self.pool = KVPool(self.cfg, num_pages * page_size, parse_dtype(dtype), device=self.device)
+        self.pool = KVPool(self.cfg, num_pages * page_size, parse_dtype(dtype), device=self.device, fmt=self.kv_format)
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits, prefix_cache),
                          LocalRunner(self.lm, self.pool, trace, self.device))
 

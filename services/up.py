@@ -110,7 +110,8 @@ def cluster_args(argv: list[str]) -> argparse.Namespace:
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with prefill:/decode:/router: sections")
-    p.add_argument("--model", default=None, help="checkpoint directory or 'tiny' (default)")
+    p.add_argument("--model", default=None, help="checkpoint directory, 'demo' (the trained embedded model; default) "
+                                                 "or 'tiny' (random weights, for exactness tests)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default=None,
                    help="compute and cache dtype of prefill and decode (default auto: the checkpoint's torch_dtype)")
     p.add_argument("--prefill-cp", type=int, default=None, help="prefill context-parallel ranks (default 2)")
@@ -123,6 +124,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dcp-comm", choices=["a2a", "ag_rs"], default=None)
     p.add_argument("--moe-parallel", choices=["ep", "replicate"], default=None,
                    help="routed experts split across each group's ranks (ep, default) or held whole by every rank")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp32", "bf16", "fp8", "fp8_ds_mla"], default=None,
+                   help="how prefill and decode store cache entries (default auto: the compute dtype; "
+                        "fp8, fp8_ds_mla: FP8 layouts, docs/architecture.md)")
     p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
                    help="decode cache bytes per rank, e.g. 2GiB (default: sized by tokens)")
     p.add_argument("--threads-per-rank", type=int, default=None,
@@ -149,26 +153,45 @@ def api_key_of(args: argparse.Namespace) -> str | None:
     return args.api_key or read_secret(API_KEY_ENV, args.api_key_file, "api_key_file")
 
 
+DEFAULT_MODEL = "demo"  # what `cpserve up` / `generate` serve without --model or a config's model
+
+
+def _config_sections(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The --config file's router and prefill sections ({} where absent or unreadable: the
+    services report a bad file themselves)."""
+    if not args.config:
+        return {}, {}
+    import yaml
+
+    try:
+        doc = yaml.safe_load(open(args.config)) or {}
+    except (OSError, yaml.YAMLError):
+        doc = {}
+    if not isinstance(doc, dict):
+        return {}, {}
+    return tuple(doc.get(k) if isinstance(doc.get(k), dict) else {} for k in ("router", "prefill"))
+
+
+def with_default_model(args: argparse.Namespace) -> argparse.Namespace:
+    """The command line's namespace with ``--model`` set to :data:`DEFAULT_MODEL` (the trained
+    demo model) when neither the flags nor the --config file name a model. Only `cpserve up`
+    and `cpserve generate` apply it; code that calls :func:`start_cluster` itself gets the
+    services' own default (``tiny``)."""
+    router, prefill = _config_sections(args)
+    if args.model is None and not (prefill.get("model") or router.get("model")):
+        args.model = DEFAULT_MODEL
+    return args
+
+
 def served_name(args: argparse.Namespace) -> str:
     """The model name the router serves (what requests must send as ``model``): the flags, else
     the --config file's router section (served_model_name, then model), else its prefill
     section's model, else "tiny"."""
     if args.served_model_name or args.model:
         return args.served_model_name or args.model
-    if args.config:
-        import yaml
-
-        try:
-            doc = yaml.safe_load(open(args.config)) or {}
-        except (OSError, yaml.YAMLError):
-            doc = {}  # the services report the bad file themselves
-        if isinstance(doc, dict):
-            router = doc.get("router") if isinstance(doc.get("router"), dict) else {}
-            prefill = doc.get("prefill") if isinstance(doc.get("prefill"), dict) else {}
-            name = router.get("served_model_name") or router.get("model") or prefill.get("model")
-            if name:
-                return str(name)
-    return "tiny"
+    router, prefill = _config_sections(args)
+    name = router.get("served_model_name") or router.get("model") or prefill.get("model")
+    return str(name) if name else "tiny"
 
 
 def _flags(pairs: list[tuple[str, object]]) -> list[str]:
@@ -224,7 +247,7 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
                      ("--internal-token-file", args.internal_token_file), ("--tls-cert", args.tls_cert),
                      ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)])
     engine_common = _flags([("--dtype", args.dtype), ("--generation-config", args.generation_config),
-                            ("--moe-parallel", args.moe_parallel)])
+                            ("--moe-parallel", args.moe_parallel), ("--kv-cache-dtype", args.kv_cache_dtype)])
     threads = cluster_threads(args, quiet)
     children = []
     try:
@@ -265,8 +288,10 @@ def stop_cluster(children: list[Child]) -> None:
 DEMO_PROMPT = "Context parallelism splits long prompts across ranks."
 
 
-def stream_completion(address: str, body: dict, api_key: str | None = None) -> tuple[list[int], float, float]:
-    """POST a streamed ``/v1/completions`` to the router at ``address``.
+def stream_completion(address: str, body: dict, api_key: str | None = None,
+                      path: str = "/v1/completions") -> tuple[list[int], float, float]:
+    """POST a streamed ``path`` (``/v1/completions`` or ``/v1/chat/completions``) to the router
+    at ``address``.
 
     Returns (token ids, TTFT ms, TPOT ms; NaN where undefined). Every failure raises
     ``RuntimeError`` with what went wrong: a non-200 answer (its status and body), an error
@@ -280,7 +305,7 @@ def stream_completion(address: str, body: dict, api_key: str | None = None) -> t
     ids: list[int] = []
     try:
         with httpx.Client(timeout=600, trust_env=False) as client:
-            with client.stream("POST", f"http://{address}/v1/completions",
+            with client.stream("POST", f"http://{address}{path}",
                                json={**body, "stream": True, "return_token_ids": True}, headers=headers) as resp:
                 if resp.status_code != 200:
                     resp.read()
@@ -302,7 +327,62 @@ def stream_completion(address: str, body: dict, api_key: str | None = None) -> t
     return ids, ttft, tpot
 
 
+DEMO_CHAT = "Tell me a short story about a fox."
+# The demo's pass-key prompt: ~3,000 tokens (within the demo model's 4,096-token training length;
+# prefill CP splits it across the ranks), the key at 40 % of the text.
+DEMO_PASSKEY = {"seed": 7, "tokens": 3000, "depth": 0.4}
+
+
+def demo_passkey(tokenizer):
+    """The pass-key task `cpserve up` asks the demo model (cpserve/demo_text.py)."""
+    import random
+
+    from cpserve.demo_text import passkey_task
+
+    def count(text: str) -> int:
+        return len(tokenizer.hf.encode(text, add_special_tokens=False))
+
+    return passkey_task(random.Random(DEMO_PASSKEY["seed"]), DEMO_PASSKEY["tokens"], DEMO_PASSKEY["depth"], count)
+
+
+def run_demo(http: str, args: argparse.Namespace) -> None:
+    """Print one generation through the cluster. With the trained demo model: a short chat turn,
+    and a pass-key question over a prompt that prefill CP splits, with whether it is right; with
+    any other model one completion of :data:`DEMO_PROMPT`. Raises RuntimeError on failure."""
+    from services.cli import tokenizer_from_args
+
+    tok, model = tokenizer_from_args(args), served_name(args)
+    from engine.model.tiny import DEMO_DIR, resolve_model_dir
+
+    if resolve_model_dir(args.model or "tiny").resolve() != DEMO_DIR.resolve():
+        body = {"model": model, "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}
+        ids, ttft, tpot = stream_completion(http, body, api_key_of(args))
+        print(f"  demo    : {DEMO_PROMPT!r} -> {tok.decode(ids)!r}")
+        print(f"            {len(ids)} tokens, TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms/token, ids {ids}")
+        return
+    key = api_key_of(args)
+    chat = {"model": model, "messages": [{"role": "user", "content": DEMO_CHAT}], "max_tokens": 160, "temperature": 0}
+    ids, ttft, tpot = stream_completion(http, chat, key, "/v1/chat/completions")
+    print(f"  demo    : chat {DEMO_CHAT!r}")
+    print(f"            -> {tok.decode(ids)!r}")
+    print(f"            {len(ids)} tokens, TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms/token")
+    task = demo_passkey(tok)
+    messages = [{"role": "user", "content": task.prompt}]
+    n = len(tok.apply_chat_template(messages))
+    body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
+    ids, ttft, tpot = stream_completion(http, body, key, "/v1/chat/completions")
+    from cpserve.demo_text import is_right
+
+    answer = tok.decode(ids)
+    verdict = "right" if is_right(task, answer) else "WRONG"
+    print(f"  demo    : pass key {task.value} hidden at {task.depth:.0%} of a {n:,}-token prompt "
+          f"(prefill CP splits it across its ranks)")
+    print(f"            -> {answer!r} ({verdict})")
+    print(f"            {len(ids)} tokens, TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms/token")
+
+
 def run_up(args: argparse.Namespace, parser=None) -> int:
+    with_default_model(args)
     t0 = time.perf_counter()
     print("starting prefill, decode and router services ...", flush=True)
     children = start_cluster(args, args.port, args.grpc_port)
@@ -321,16 +401,13 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
         if args.demo and isinstance(tokenizer_from_args(args), NoTokenizer):
             print("  demo    : skipped (the model has no tokenizer; send token ids)")
         elif args.demo:
-            # One request through the whole path (router → prefill group → KV transfer → decode
+            # Requests through the whole path (router → prefill group → KV transfer → decode
             # group) before serving: proof that the cluster works, with its timings.
-            body = {"model": served_name(args), "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}
             try:
-                ids, ttft, tpot = stream_completion(http, body, api_key_of(args))
+                run_demo(http, args)
             except RuntimeError as e:
                 print(f"error: the demo request failed: {e}; stopping", file=sys.stderr)
                 return 1
-            print(f"  demo    : {DEMO_PROMPT!r} -> {tokenizer_from_args(args).decode(ids)!r}")
-            print(f"            {len(ids)} tokens, TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms/token, ids {ids}")
         print(f"  try     : curl http://{http}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{served_name(args)}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'")
         print("Ctrl-C stops every service.", flush=True)
@@ -349,6 +426,7 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
 def run_generate(args: argparse.Namespace, parser=None) -> int:
     from services.cli import print_generation, tokenizer_from_args
 
+    with_default_model(args)
     body = {"model": served_name(args), "max_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "ignore_eos": args.ignore_eos}
     if args.top_k:

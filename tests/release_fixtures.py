@@ -5,6 +5,8 @@
   index, some weights in a different shard than their scale, plus a multi-token-prediction
   layer at index ``num_hidden_layers``.
 - ``bf16_glm_release``: a bf16 ``glm_moe_dsa`` whose "shared" layers still ship indexer weights.
+- ``add_kv_scales``: FP8-cache scales as quantization tools ship them, one ``k_scale`` and one
+  ``v_scale`` scalar per layer in a shard of their own (the multi-token-prediction layer too).
 - both with a byte-level BPE ``tokenizer.json``, a ``tokenizer_config.json`` (``add_bos_token``,
   a Jinja chat template) and a ``generation_config.json`` listing two eos ids;
   ``remote_code_tokenizer`` turns a directory's tokenizer into one that needs
@@ -111,6 +113,29 @@ def fp8_release(path: Path, model_type: str = "deepseek_v3", seed: int = 0):
     release_tokenizer(path, cfg["vocab_size"])
     _assign(hf, deq)
     return hf.float().eval()
+
+
+def add_kv_scales(path: Path, k_scales: list[float], name: str = "k_scale") -> None:
+    """Write per-layer KV-cache scales (``model.layers.{i}.self_attn.{name}`` and ``v_scale``,
+    float32 scalars) into a new shard listed in the index; one extra layer's scale for the
+    multi-token-prediction layer when the config has one."""
+    cfg = json.loads((path / "config.json").read_text())
+    layers = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)
+    scales = list(k_scales) + [1.0] * (layers - len(k_scales))
+    tensors = {}
+    for layer, k in enumerate(scales):
+        tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(k, dtype=torch.float32)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(2 * k, dtype=torch.float32)
+    save_file(tensors, str(path / "kv-scales.safetensors"), metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if not index.exists():  # a single-file checkpoint becomes a sharded one
+        single = load_file(str(path / "model.safetensors"))
+        (path / "model.safetensors").rename(path / "model-weights.safetensors")
+        doc = {"metadata": {}, "weight_map": {n: "model-weights.safetensors" for n in single}}
+    else:
+        doc = json.loads(index.read_text())
+    doc["weight_map"].update({n: "kv-scales.safetensors" for n in tensors})
+    index.write_text(json.dumps(doc))
 
 
 def _assign(hf, tensors: dict[str, torch.Tensor]) -> None:

@@ -458,18 +458,18 @@ def test_killing_the_prefill_service_mid_request_frees_decode_rows(tmp_path):
 
 
 def test_cpserve_up_sends_a_demo_request_then_serves_until_interrupted(tmp_path):
-    """`make up` runs `cpserve up`: it starts the three services, prints one generation made
-    through the whole cluster (the reference engine's tokens), serves, and stops every process
-    on Ctrl-C."""
+    """`make up` runs `cpserve up`: it starts the three services on the trained demo model,
+    prints a chat turn and a pass-key answer made through the whole cluster (the reference
+    engine's tokens, and whether the key is right), serves, and stops every process on Ctrl-C."""
     import subprocess
     import sys
     from pathlib import Path
 
-    from engine.model.tokenizer import load_tokenizer
-    from services.up import DEMO_PROMPT
+    from cpserve.demo_text import is_right
+    from services.up import DEMO_CHAT, demo_passkey
 
     cpserve = Path(sys.executable).with_name("cpserve")
-    proc = subprocess.Popen([str(cpserve), "up", "--port", "0", "--served-model-name", "tiny-served",
+    proc = subprocess.Popen([str(cpserve), "up", "--port", "0", "--served-model-name", "demo-served",
                              "--dtype", "auto"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
@@ -484,19 +484,26 @@ def test_cpserve_up_sends_a_demo_request_then_serves_until_interrupted(tmp_path)
                 break
         out = "\n".join(lines)
         assert lines and lines[-1].startswith("Ctrl-C stops"), out
-        assert '"model": "tiny-served"' in out, out  # the demo (which succeeded) and the hint use the served name
+        assert '"model": "demo-served"' in out, out  # the demo (which succeeded) and the hint use the served name
         router = re.search(r"router  : http://(\S+)/v1", out).group(1)
         assert httpx.get(f"http://{router}/health", trust_env=False, timeout=10).status_code == 200
         # (the services' own start-up lines, prefixed "[prefill] " etc., may interleave)
         assert re.search(r"^\[(prefill|decode)\] ", out, re.M), out
-        text = re.search(r"demo    : '.*' -> (.*)$", out, re.M)
-        counts = re.search(r"^\s+(\d+) tokens, TTFT ([\d.]+) ms", out, re.M)
-        assert text and counts, out
-        demo = (None, text.group(1), counts.group(1), counts.group(2))
-        ref = ReferenceEngine("tiny")
-        expected = ref.generate([ref.tokenizer.encode(DEMO_PROMPT)], SamplingParams(max_new_tokens=16))[0].output_ids
-        assert demo[1] == repr(load_tokenizer("tiny").decode(expected))
-        assert int(demo[2]) == len(expected) and float(demo[3]) > 0
+        answers = re.findall(r"^\s+-> (.*)$", out, re.M)
+        timings = re.findall(r"^\s+(\d+) tokens, TTFT ([\d.]+) ms, TPOT ([\d.]+) ms", out, re.M)
+        assert len(answers) == 2 and len(timings) == 2, out
+        ref = ReferenceEngine("demo")
+        tok = ref.tokenizer
+        chat = ref.generate([tok.apply_chat_template([{"role": "user", "content": DEMO_CHAT}])],
+                            SamplingParams(max_new_tokens=160))[0].output_ids
+        task = demo_passkey(tok)
+        key = ref.generate([tok.apply_chat_template([{"role": "user", "content": task.prompt}])],
+                           SamplingParams(max_new_tokens=16))[0].output_ids
+        assert answers[0] == repr(tok.decode(chat)) and int(timings[0][0]) == len(chat)
+        verdict = "right" if is_right(task, tok.decode(key)) else "WRONG"
+        assert answers[1] == f"{tok.decode(key)!r} ({verdict})" and int(timings[1][0]) == len(key)
+        assert f"pass key {task.value} hidden at 40% of a" in out
+        assert all(float(t[1]) > 0 and float(t[2]) > 0 for t in timings)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "stopped." in rest, rest

@@ -1,6 +1,7 @@
 """The fused decode-attention kernel (engine/kernels/mla_decode.c) against the torch path and
 the textbook formula: every shape class it handles, empty requests, shuffled row lists, and
-results that do not depend on the batch or the thread count (same bits)."""
+results that do not depend on the batch or the thread count (same bits); FP8 rows decoded in
+the kernel to the same bits as KVFormat.decode_latent."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ import torch
 
 import engine.kernels as kernels
 from engine.cache.gather import RowGatherer, fused_decode_attention
+from engine.cache.kvformat import KVFormat
+
+
+def fp32(latent_dim: int, r: int) -> KVFormat:
+    return KVFormat("fp32", r, latent_dim - r, 0)
 
 
 @pytest.fixture(scope="module")
 def fused_r():
-    def make(latent_dim: int, r: int):
-        f = fused_decode_attention(torch.float32, "cpu", latent_dim, r)
+    def make(latent_dim: int, r: int, kind: str = "fp32", scales=()):
+        f = fused_decode_attention(KVFormat(kind, r, latent_dim - r, 0, scales), torch.float32, "cpu")
         if f is None:
             pytest.fail("the fused kernel did not build on this machine (a C compiler is part of make setup)")
         return f
@@ -80,25 +86,53 @@ def test_a_request_gets_the_same_bits_alone_in_any_batch_and_thread_count(fused_
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kind,r,rope,scales", [("fp8", 512, 64, (0.5, 2.0)), ("fp8", 64, 16, (1.0, 1.0)),
+                                                  ("fp8_ds_mla", 512, 64, ()), ("fp8_ds_mla", 64, 16, ()),
+                                                  ("fp8_ds_mla", 144, 16, ())])
+def test_fp8_rows_decode_in_the_kernel_to_the_torch_bits(fused_r, kind, r, rope, scales):
+    """The kernel over FP8 rows equals, bit for bit, the kernel over the same rows decoded by
+    KVFormat.decode_latent (the torch decode every other reader uses): its in-kernel decoding
+    gives the same fp32 entries. Subnormal e4m3 values, negative zeros and saturated ±448 are in
+    the rows; fp8_ds_mla at r = 144 has a partial last tile."""
+    g = torch.Generator().manual_seed(r + rope)
+    fmt = KVFormat(kind, r, rope, 0, scales)
+    entries = torch.randn(1500, r + rope, generator=g) * torch.logspace(-4, 3, r + rope)
+    entries[:5] = 0.0
+    entries[5, :] = -0.0
+    layer = len(scales) - 1 if scales else 0
+    stored = fmt.encode_latent(layer, entries)
+    assert stored.dtype == torch.uint8 and stored.shape == (1500, fmt.entry_bytes)
+    decoded = fmt.decode_latent(layer, stored, torch.float32)
+    rows = [torch.randperm(1500, generator=g)[:n] for n in LENGTHS if n <= 1500] + [torch.arange(100, 1400)]
+    q = torch.randn(len(rows), 4, r + rope, generator=g) * 0.01
+    out, lse = RowGatherer(fused_r(r + rope, r, kind, scales), fmt).attend(stored, rows, q, r, 0.1, True, layer)
+    want, want_lse = RowGatherer(fused_r(r + rope, r)).attend(decoded, rows, q, r, 0.1, True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    torch_out, torch_lse = RowGatherer(None, fmt).attend(stored, rows, q, r, 0.1, True, layer)
+    assert (out - torch_out).abs().max() <= 1e-5 * out.abs().max()  # values up to ~1e3: relative to the largest
+    assert torch.allclose(lse[1:], torch_lse[1:], rtol=1e-5, atol=1e-5)
+
+
 def test_where_the_kernel_applies(monkeypatch):
-    assert fused_decode_attention(torch.bfloat16, "cpu", 576, 512) is None  # fp32 rows only
-    assert fused_decode_attention(torch.float32, "meta", 576, 512) is None  # the CPU only
-    assert fused_decode_attention(torch.float32, "cpu", 580, 512) is None  # widths in 16s
-    kernels.mla_decode_f32.cache_clear()
+    assert fused_decode_attention(fp32(576, 512), torch.bfloat16, "cpu") is None  # fp32 queries only
+    assert fused_decode_attention(KVFormat("bf16", 512, 64, 0), torch.float32, "cpu") is None  # not bf16 rows
+    assert fused_decode_attention(fp32(576, 512), torch.float32, "meta") is None  # the CPU only
+    assert fused_decode_attention(fp32(580, 512), torch.float32, "cpu") is None  # widths in 16s
+    kernels.mla_decode.cache_clear()
     try:
         monkeypatch.setenv(kernels.ENV, "torch")
-        assert fused_decode_attention(torch.float32, "cpu", 576, 512) is None
-        kernels.mla_decode_f32.cache_clear()
+        assert fused_decode_attention(fp32(576, 512), torch.float32, "cpu") is None
+        kernels.mla_decode.cache_clear()
         monkeypatch.setenv(kernels.ENV, "fused")
         monkeypatch.setattr(kernels, "_compiler", lambda: None)
         with pytest.raises(RuntimeError, match="no C compiler"):
-            fused_decode_attention(torch.float32, "cpu", 576, 512)
-        kernels.mla_decode_f32.cache_clear()
+            fused_decode_attention(fp32(576, 512), torch.float32, "cpu")
+        kernels.mla_decode.cache_clear()
         monkeypatch.setenv(kernels.ENV, "auto")  # without a compiler: the torch path, said in the log
-        assert fused_decode_attention(torch.float32, "cpu", 576, 512) is None
-        kernels.mla_decode_f32.cache_clear()
+        assert fused_decode_attention(fp32(576, 512), torch.float32, "cpu") is None
+        kernels.mla_decode.cache_clear()
         monkeypatch.setenv(kernels.ENV, "sometimes")
         with pytest.raises(ValueError, match=kernels.ENV):
-            kernels.mla_decode_f32()
+            kernels.mla_decode()
     finally:
-        kernels.mla_decode_f32.cache_clear()
+        kernels.mla_decode.cache_clear()

@@ -1030,7 +1030,7 @@ def test_dockerfile_default_command_starts_and_serves():
         for kind in ("prefill", "decode"):
             assert re.search(rf"serving {kind} on 127\.0\.0\.1:\d+", out), out[-3000:]  # never 0.0.0.0
         r = httpx.post(f"http://127.0.0.1:{ports[0]}/v1/completions", trust_env=False, timeout=60,
-                       json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3})
+                       json={"model": "demo", "prompt": [5, 6, 7], "max_tokens": 3})  # the CMD's default model
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
         up.send_signal(signal.SIGINT)

@@ -247,6 +247,7 @@ def test_each_rank_of_a_group_holds_only_its_experts():
 # ---- options ------------------------------------------------------------------------------
 def test_options_reach_the_engines_and_bad_values_name_their_field(tmp_path):
     from engine.cache.capacity import decode_row_bytes, pages_in_budget, parse_bytes
+    from engine.cache.kvformat import KVFormat
     from services.common.config import ConfigError, load_config
 
     yaml_file = tmp_path / "c.yaml"
@@ -260,11 +261,12 @@ def test_options_reach_the_engines_and_bad_values_name_their_field(tmp_path):
         load_config("decode", overrides={"kv_cache_memory": "lots"})
     assert parse_bytes("20GiB") == 20 << 30 and parse_bytes("1.5 MB") == 1_500_000 and parse_bytes(4096) == 4096
     cfg = load_model("tiny").cfg
-    row = decode_row_bytes(cfg, 4, 2, "copied")
-    assert pages_in_budget(cfg, 64 << 20, "fp32", 16, 2, "copied") == (64 << 20) // (row * 16)
-    assert decode_row_bytes(cfg, 4, 2, "split") < row
+    fp32 = KVFormat.of(cfg, "fp32")
+    row = decode_row_bytes(cfg, fp32, 2, "copied")
+    assert pages_in_budget(cfg, 64 << 20, fp32, 16, 2, "copied") == (64 << 20) // (row * 16)
+    assert decode_row_bytes(cfg, fp32, 2, "split") < row
     with pytest.raises(ValueError, match="kv_cache_memory: 100 bytes"):
-        pages_in_budget(cfg, 100, "fp32", 16, 2, "copied")
+        pages_in_budget(cfg, 100, fp32, 16, 2, "copied")
 
 
 @pytest.mark.timeout(180)

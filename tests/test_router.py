@@ -7,6 +7,7 @@ fake gRPC services. One end-to-end test with real services is marked slow.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import dataclasses
 import json
 from pathlib import Path
@@ -1014,6 +1015,52 @@ def test_failures_that_exhaust_retries_or_are_final(start_router):
     h = start_router(prefills=prefills, max_retries=2)
     assert post(h, "/v1/completions", {"prompt": "x"}).status_code == 503
     assert sum(len(p.jobs) for p in prefills) == 3
+
+
+class LimitedDecode(FakeDecode):
+    """A decode service with room for ``rows`` requests at once: Reserve is RESOURCE_EXHAUSTED
+    while they are taken; a request's rows come back when its stream ends or it is aborted."""
+
+    def __init__(self, rows: int, **kw):
+        super().__init__(**kw)
+        self.rows, self.held, self.refused = rows, set(), 0
+
+    async def reserve(self, job, timeout):
+        if len(self.held) >= self.rows:
+            self.refused += 1
+            raise BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, "capacity: no free rows", self.address)
+        r = await super().reserve(job, timeout)
+        self.held.add(r.id)
+        return r
+
+    async def generate(self, job, reservation, first, timeout, *fork):
+        try:
+            async for event in super().generate(job, reservation, first, timeout, *fork):
+                yield event
+        finally:
+            self.held.discard(reservation.id)
+
+    async def abort(self, reservation, timeout):
+        self.held.discard(reservation.id)
+        await super().abort(reservation, timeout)
+
+
+def test_requests_wait_in_the_router_for_cache_rows(start_router):
+    """Rows for one request at a time: three requests sent together are all served, one after
+    the other (the later two queued in the router, retried as rows come free); with no queue,
+    the ones that find no rows get 429 at once."""
+    decode = LimitedDecode(1, delay_s=0.05)
+    h = start_router(decodes=[decode], max_wait_s=20)
+    with ThreadPoolExecutor(3) as pool:
+        codes = list(pool.map(lambda _: post(h, "/v1/completions", {"prompt": "x", "max_tokens": 6}).status_code,
+                              range(3)))
+    assert codes == [200, 200, 200] and len(decode.reserved) == 3 and decode.refused >= 2
+    decode = LimitedDecode(1, delay_s=0.2)
+    h = start_router(decodes=[decode], max_waiting=0)
+    with ThreadPoolExecutor(3) as pool:
+        codes = sorted(pool.map(lambda _: post(h, "/v1/completions", {"prompt": "x", "max_tokens": 6}).status_code,
+                                range(3)))
+    assert codes == [200, 429, 429]
 
 
 def test_failure_after_first_token_ends_stream_with_error_and_marks_decode_unhealthy(start_router):

@@ -519,7 +519,8 @@ def test_sampling_stop_rule():
 
 
 def test_destination_round_trip():
-    fp = {"model": "abc", "dtype": "fp32", "latent_dim": 48, "index_head_dim": 32, "num_layers": 4,
+    fp = {"model": "abc", "dtype": "fp32", "kv_cache_dtype": "fp8", "kv_entry_bytes": 48, "kv_index_bytes": 36,
+          "kv_scales": [0.5, 1.0, 2.0, 0.125], "latent_dim": 48, "index_head_dim": 32, "num_layers": 4,
           "indexer_layers": [0, 2]}
     ranks = tuple(RankEndpoint(f"127.0.0.1:{1000 + r}", 1 << 40, 512, 192, {0: 7 << 30, 2: 9 << 30}, 512, 128)
                   for r in range(2))

@@ -13,8 +13,10 @@ The three questions:
 - cost: ``capacity_factor = (E + I) / bytes_per_token_per_rank`` more tokens fit than at C=1;
   with a copied index the factor can never exceed ``ceiling = (E + I) / I``.
 
-FP8 convention: an fp8 latent entry takes ``kv_lora_rank + qk_rope_head_dim`` bytes (576 for the
-real models) and an fp8 index key ``index_head_dim + 4`` bytes (one 4-byte scale; 132).
+Entry bytes come from the cache layout (engine/cache/kvformat.py, ``--kv-cache-dtype``): fp8
+takes ``kv_lora_rank + qk_rope_head_dim`` bytes a latent entry (576 for the real models),
+fp8_ds_mla 656 (512 e4m3 + 4 float32 scales + 64 bf16), and under either an index key takes
+``index_head_dim + 4`` bytes (one float32 scale; 132).
 """
 
 from __future__ import annotations
@@ -25,32 +27,31 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from engine.cache.kvformat import KV_CACHE_DTYPES, KVFormat
+
 Indexer = Literal["copied", "split"]
 Exchange = Literal["a2a", "ag_rs"]
-KV_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp8")
+KV_DTYPES: tuple[str, ...] = tuple(k for k in KV_CACHE_DTYPES if k != "auto")
 _BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp8": 1}
-_FP8_INDEX_SCALE_BYTES = 4
 _LSE_BYTES = 4  # LSEs stay fp32 whatever the activation dtype
 _CANDIDATE_BYTES = 8  # one split-index candidate: fp32 score + int32 position
 
 
 def bytes_per_value(kv_dtype: str) -> int:
-    """Bytes of one cached value: fp32 4, bf16 2, fp8 1."""
+    """Bytes of one value: fp32 4, bf16 2, fp8 1 (activations; cache entries: KVFormat)."""
     if kv_dtype not in _BYTES_PER_VALUE:
-        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+        raise ValueError(f"kv_dtype must be one of {', '.join(_BYTES_PER_VALUE)}; got {kv_dtype!r}")
     return _BYTES_PER_VALUE[kv_dtype]
 
 
 def latent_entry_bytes(kv_lora_rank: int, rope_dim: int, kv_dtype: str) -> int:
-    """Bytes of one latent cache entry (one token, one layer)."""
-    return (kv_lora_rank + rope_dim) * bytes_per_value(kv_dtype)
+    """Bytes of one latent cache entry (one token, one layer) in layout ``kv_dtype``."""
+    return KVFormat(kv_dtype, kv_lora_rank, rope_dim, 0).entry_bytes
 
 
 def index_key_bytes(index_head_dim: int, kv_dtype: str) -> int:
-    """Bytes of one index key (one token, one indexer layer); fp8 adds a 4-byte scale."""
-    if kv_dtype == "fp8":
-        return index_head_dim + _FP8_INDEX_SCALE_BYTES
-    return index_head_dim * bytes_per_value(kv_dtype)
+    """Bytes of one index key (one token, one indexer layer); fp8 layouts add a 4-byte scale."""
+    return KVFormat(kv_dtype, 0, 0, index_head_dim).index_bytes
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -77,19 +78,17 @@ def parse_bytes(value: int | str, field: str = "bytes") -> int:
     return n
 
 
-def decode_row_bytes(cfg, dtype_bytes: int, dcp: int, indexer: str) -> int:
+def decode_row_bytes(cfg, fmt: KVFormat, dcp: int, indexer: str) -> int:
     """Cache bytes one decode rank spends per row it owns: its latent entry on every layer, plus
     index keys — C of them with a copied index (every rank keeps every token's), one when split."""
-    latent = cfg.num_layers * cfg.latent_dim * dtype_bytes
-    index = len(cfg.indexer_layer_ids) * cfg.index_head_dim * dtype_bytes
+    latent = cfg.num_layers * fmt.entry_bytes
+    index = len(cfg.indexer_layer_ids) * fmt.index_bytes
     return latent + index * (dcp if indexer == "copied" else 1)
 
 
-def pages_in_budget(cfg, budget: int, dtype: str, page_size: int, dcp: int, indexer: str) -> int:
+def pages_in_budget(cfg, budget: int, fmt: KVFormat, page_size: int, dcp: int, indexer: str) -> int:
     """Virtual pages whose rows fit in ``budget`` bytes of cache on each decode rank."""
-    from engine.model.loader import parse_dtype
-
-    row = decode_row_bytes(cfg, parse_dtype(dtype).itemsize, dcp, indexer)
+    row = decode_row_bytes(cfg, fmt, dcp, indexer)
     pages = _whole_pages(budget, row, page_size)
     if pages < 1:
         raise ValueError(f"kv_cache_memory: {budget} bytes per rank hold no page of {page_size} rows "
@@ -319,7 +318,9 @@ def build_parser_plan(subparsers: argparse._SubParsersAction) -> argparse.Argume
     for flag in _SHAPE_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), type=_non_negative_int,
                             help="raw mode only: model size for the collectives")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, help="with --model (default bf16)")
+    parser.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", choices=KV_CACHE_DTYPES,
+                        help="with --model: the cache layout (default auto: the compute dtype, --dtype); fp8 and "
+                        "fp8_ds_mla as in docs/architecture.md")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                         help="with --model: the weights' compute dtype (default auto: the checkpoint's)")
     parser.add_argument("--act-dtype", choices=("fp32", "bf16"), default="fp32",
@@ -403,7 +404,7 @@ def _weights(args: argparse.Namespace) -> dict:
 
 def _raw_sizes(args: argparse.Namespace) -> dict:
     if args.kv_dtype is not None:
-        _fail(args, "--kv-dtype applies only with --model (--entry-bytes is already in bytes)")
+        _fail(args, "--kv-cache-dtype (--kv-dtype) applies only with --model (--entry-bytes is already in bytes)")
     missing = [f for f in ("entry_bytes", "layers") if getattr(args, f) is None]
     if missing:
         _fail(args, "give --model DIR|tiny, or the raw sizes; missing "
@@ -428,14 +429,16 @@ def _model_sizes(args: argparse.Namespace) -> dict:
         cfg = ModelConfig.load(args.model)
     except (OSError, ValueError) as error:
         _fail(args, f"--model {args.model}: {error}")
-    dtype = args.kv_dtype or "bf16"
+    from engine.model.loader import resolve_dtype
+
+    fmt = KVFormat.of(cfg, args.kv_dtype or "auto", resolve_dtype(args.dtype, cfg))
     has_index = cfg.num_indexer_layers > 0
     moe_layers = sum(cfg.is_moe_layer(layer) for layer in range(cfg.num_layers))
     shared = 1 if cfg.n_shared_experts else 0
     moe_rows = cfg.num_experts_per_tok + shared if args.moe_parallel == "ep" else shared
     return dict(
-        entry_bytes_per_layer=cfg.latent_dim * bytes_per_value(dtype), layers=cfg.num_layers,
-        index_bytes_per_layer=index_key_bytes(cfg.index_head_dim, dtype) if has_index else 0,
+        entry_bytes_per_layer=fmt.entry_bytes, layers=cfg.num_layers,
+        index_bytes_per_layer=fmt.index_bytes if has_index else 0,
         indexer_layers=cfg.num_indexer_layers, num_heads=cfg.num_heads,
         kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim,
         hidden_size=cfg.hidden_size, index_topk=cfg.index_topk if has_index else None,

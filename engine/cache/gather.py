@@ -1,13 +1,15 @@
 """Decode attention over a request's cache rows wherever they are in the pool: the fused C
 kernel (engine/kernels/mla_decode.c) for fp32 rows on the CPU, else torch — rows gathered,
-batched and padded, in cache-sized chunks of requests."""
+batched and padded, in cache-sized chunks of requests, and decoded from the pool's
+:class:`~engine.cache.kvformat.KVFormat` chunk by chunk."""
 
 from __future__ import annotations
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from engine.kernels import SEG, mla_decode_f32
+from engine.cache.kvformat import KVFormat
+from engine.kernels import BLK, KINDS, SEG, mla_decode
 from engine.model.attention import absorbed_decode
 
 
@@ -17,10 +19,14 @@ class FusedDecodeAttention:
     per-request Python. Work items of ``SEG`` rows of one request run on torch's OpenMP
     threads; a request's result does not depend on the batch or the threads (same bits).
 
+    Rows stored as FP8 (``fp8``, ``fp8_ds_mla``) are decoded in the kernel, BLK rows at a time,
+    to the same fp32 values ``KVFormat.decode_latent`` gives.
+
     Use :func:`fused_decode_attention` to get one where it applies."""
 
-    def __init__(self, fn, kv_lora_rank: int):
-        self.fn, self.r = fn, kv_lora_rank
+    def __init__(self, fn, fmt: KVFormat):
+        self.fn, self.fmt, self.r = fn, fmt, fmt.kv_lora_rank
+        self.kind = KINDS[fmt.kind]
         self._rows_cache: tuple[list[torch.Tensor], tuple] | None = None
         self._scratch = torch.empty(0)  # partials and per-thread scores, kept: a fresh MiB is page faults each call
 
@@ -44,30 +50,32 @@ class FusedDecodeAttention:
         return layout
 
     def __call__(self, pool_layer: torch.Tensor, row_lists: list[torch.Tensor], q: torch.Tensor,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, H, D] → (out [B, H, r], lse [B, H] base e; a request with no rows: 0 and -inf)."""
         rows, offs, items, n_items = self._layout(row_lists)
         b, h, d = q.shape
         q = q.contiguous()
         threads = torch.get_num_threads()
-        sizes = (n_items * h * self.r, n_items * 2 * h, threads * h * SEG)
+        sizes = (n_items * h * self.r, n_items * 2 * h, threads * (h * SEG + BLK * d))
         part_o, part_ml, scratch = self._buffer(sum(sizes))[: sum(sizes)].split(sizes)
         out = torch.empty(b, h, self.r)
         lse = torch.empty(b, h)
-        self.fn(pool_layer.data_ptr(), d, rows.data_ptr(), offs.data_ptr(), items.data_ptr(), q.data_ptr(), b, h,
-                self.r, scale, part_o.data_ptr(), part_ml.data_ptr(), scratch.data_ptr(), out.data_ptr(),
-                lse.data_ptr(), threads)
+        kv_scale = self.fmt.scales[layer] if self.fmt.kind == "fp8" else 1.0
+        self.fn(pool_layer.data_ptr(), self.fmt.entry_bytes, self.kind, kv_scale, d, rows.data_ptr(), offs.data_ptr(),
+                items.data_ptr(), q.data_ptr(), b, h, self.r, scale, part_o.data_ptr(), part_ml.data_ptr(),
+                scratch.data_ptr(), out.data_ptr(), lse.data_ptr(), threads)
         return out, lse
 
 
-def fused_decode_attention(dtype: torch.dtype, device, latent_dim: int, kv_lora_rank: int
-                           ) -> FusedDecodeAttention | None:
-    """The fused kernel for a pool of this dtype, device and entry width, or None where it does
-    not apply (not fp32, not the CPU, widths not multiples of 16) or is unavailable."""
-    if dtype != torch.float32 or torch.device(device).type != "cpu" or latent_dim % 16 or kv_lora_rank % 16:
+def fused_decode_attention(fmt: KVFormat, dtype: torch.dtype, device) -> FusedDecodeAttention | None:
+    """The fused kernel for a pool stored in ``fmt`` (fp32, fp8 or fp8_ds_mla rows), read in
+    compute dtype ``dtype`` on ``device``, or None where it does not apply (an fp32 query is
+    needed; not the CPU; widths not multiples of 16) or is unavailable."""
+    if fmt.kind not in KINDS or dtype != torch.float32 or torch.device(device).type != "cpu" \
+            or fmt.latent_dim % 16 or fmt.kv_lora_rank % 16:
         return None
-    fn = mla_decode_f32()
-    return None if fn is None else FusedDecodeAttention(fn, kv_lora_rank)
+    fn = mla_decode()
+    return None if fn is None else FusedDecodeAttention(fn, fmt)
 
 
 class RowGatherer:
@@ -89,8 +97,9 @@ class RowGatherer:
 
     FRESH_MAX_VALUES = 1 << 20  # one request's rows below this (4 MiB fp32) get a fresh tensor
 
-    def __init__(self, fused: FusedDecodeAttention | None = None):
+    def __init__(self, fused: FusedDecodeAttention | None = None, fmt: KVFormat | None = None):
         self.fused = fused  # chosen by the pool's owner at construction (fused_decode_attention)
+        self.fmt = fmt  # how the pool's rows are stored (None: already in the query's dtype)
         self.buf: torch.Tensor | None = None
         self._span_cache: tuple[list[torch.Tensor], list[int | None]] | None = None
 
@@ -123,7 +132,7 @@ class RowGatherer:
     VIEW_MIN_ROWS = 256
 
     def attend(self, pool_layer: torch.Tensor, row_lists: list[torch.Tensor], q: torch.Tensor, kv_lora_rank: int,
-               scale: float, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+               scale: float, return_lse: bool, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``absorbed_decode`` of request b's query ``q[b]`` over its rows ``row_lists[b]``.
 
         A request whose rows are one contiguous run of the pool (the scheduler allocates a
@@ -135,20 +144,28 @@ class RowGatherer:
         consecutive chunks whose padded rows fit ``CHUNK_BYTES`` (read back from cache by each
         product). A request's arithmetic is the same either way.
 
+        Stored rows are decoded (``self.fmt``, with ``layer``'s scale) as they are read: a chunk
+        at a time, or one request's run. FP8 runs are not attended in place (decoding them is a
+        copy), so they go by chunks like the rest.
+
         With the fused kernel (``self.fused``) all of that is one call instead.
         """
         if self.fused is not None:
-            out, lse = self.fused(pool_layer, row_lists, q, scale)
+            out, lse = self.fused(pool_layer, row_lists, q, scale, layer)
             return out, (lse if return_lse else None)
-        spans = self._spans(row_lists)
+        fmt = self.fmt
+        decode = (lambda x: x if x.dtype == q.dtype else x.to(q.dtype)) if fmt is None else (
+            lambda x: fmt.decode_latent(layer, x, q.dtype))
+        spans = [None] * len(row_lists) if fmt is not None and fmt.quantized else self._spans(row_lists)
         rest = [b for b, start in enumerate(spans) if start is None]
         parts: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for b, start in enumerate(spans):
             if start is not None:
                 rows = pool_layer[start : start + row_lists[b].numel()].unsqueeze(0)
-                parts[b] = absorbed_decode(q[b : b + 1], rows if rows.dtype == q.dtype else rows.to(q.dtype), None,
-                                           kv_lora_rank, scale, return_lse=return_lse)
-        row_bytes = pool_layer.shape[-1] * pool_layer.element_size()
+                parts[b] = absorbed_decode(q[b : b + 1], decode(rows), None, kv_lora_rank, scale,
+                                           return_lse=return_lse)
+        # the chunk's size once decoded (what the two products read back from cache)
+        row_bytes = (pool_layer.shape[-1] if fmt is None else fmt.latent_dim) * q.element_size()
         i = 0
         while i < len(rest):
             j, lmax = i + 1, max(row_lists[rest[i]].numel(), 1)
@@ -159,8 +176,7 @@ class RowGatherer:
                 j, lmax = j + 1, longest
             first, last = rest[i], rest[j - 1] + 1
             rows, valid = self(pool_layer, row_lists[first:last])
-            if rows.dtype != q.dtype:
-                rows = rows.to(q.dtype)
+            rows = decode(rows)
             parts[first] = absorbed_decode(q[first:last], rows, valid, kv_lora_rank, scale, return_lse=return_lse)
             i = j
         order = sorted(parts)

@@ -24,17 +24,17 @@ class LocalKV:
         self.pool, self.new_rows, self.req_rows = pool, new_rows, req_rows
 
     def store(self, layer, latent, index_key):
-        rows = self.pool.latent(layer)
-        rows.index_copy_(0, self.new_rows, latent if latent.dtype == rows.dtype else latent.to(rows.dtype))
+        """Encode (the pool's format: quantized once, here) and write at the tokens' rows."""
+        fmt = self.pool.fmt
+        self.pool.latent(layer).index_copy_(0, self.new_rows, fmt.encode_latent(layer, latent))
         if index_key is not None:
-            rows = self.pool.index(layer)
-            rows.index_copy_(0, self.new_rows, index_key if index_key.dtype == rows.dtype else index_key.to(rows.dtype))
+            self.pool.index(layer).index_copy_(0, self.new_rows, fmt.encode_index(index_key))
 
     def latent(self, layer, req):
-        return self.pool.latent(layer).index_select(0, self.req_rows[req])
+        return self.pool.read_latent(layer, self.req_rows[req])
 
     def index_keys(self, layer, req):
-        return self.pool.index(layer).index_select(0, self.req_rows[req])
+        return self.pool.read_index(layer, self.req_rows[req])
 
     def decode_select(self, layer, iq, iw, k, indexer):
         """Per request: the positions its query attends to, or None for all of them."""
@@ -52,4 +52,4 @@ class LocalKV:
         for b, r in enumerate(self.req_rows):
             rows.append(r if sel is None or sel[b] is None else r[sel[b]])
         return self.pool.gather.attend(self.pool.latent(layer), rows, q, self.pool.cfg.kv_lora_rank, scale,
-                                       return_lse=False)[0]
+                                       return_lse=False, layer=layer)[0]

@@ -33,6 +33,8 @@ ENV = "CPSERVE_DECODE_ATTENTION"  # auto (default) | fused | torch
 SOURCE = Path(__file__).with_name("mla_decode.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 SEG = 256  # rows per work item; must equal SEG in mla_decode.c (checked against the library)
+BLK = 16  # rows per block (FP8 rows are decoded a block at a time); BLK in mla_decode.c
+KINDS = {"fp32": 0, "fp8": 1, "fp8_ds_mla": 2}  # the row layouts the kernel reads (KIND_* in mla_decode.c)
 
 
 def _cpu_flags() -> str:
@@ -74,7 +76,7 @@ def _build(cc: str, out_dir: Path) -> Path:
 
 
 @functools.cache
-def mla_decode_f32():
+def mla_decode():
     """The fused decode-attention function (ctypes), or None when it is turned off or cannot
     be built (the reason is logged once)."""
     mode = os.environ.get(ENV, "auto")
@@ -96,11 +98,11 @@ def mla_decode_f32():
             raise RuntimeError(f"{ENV}=fused but the decode kernel is unavailable: {e}") from e
         logger.warning("fused decode attention unavailable (%s); using the torch path", e)
         return None
-    fn = lib.mla_decode_f32
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, p, p, p, p, i64, i64, i64, ctypes.c_float, p, p, p, p, p, ctypes.c_int]
+    fn = lib.mla_decode
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    fn.argtypes = [p, i64, i32, f32, i64, p, p, p, p, i64, i64, i64, f32, p, p, p, p, p, i32]
     fn.restype = None
-    if lib.mla_decode_seg() != SEG:
-        raise RuntimeError("engine/kernels: mla_decode.c and its loader disagree on SEG")
+    if lib.mla_decode_seg() != SEG or lib.mla_decode_block() != BLK:
+        raise RuntimeError("engine/kernels: mla_decode.c and its loader disagree on SEG or BLK")
     logger.info("fused decode attention: %s", lib._name)
     return fn

@@ -19,10 +19,23 @@
  *
  * A request with no rows gets out = 0 and lse = -inf (the attention backend contract).
  * Requires D % 16 == 0 and r % 16 == 0 (the caller checks).
+ *
+ * Rows are stored in one of three layouts (engine/cache/kvformat.py), row_bytes apart:
+ *   KIND_F32         D floats;
+ *   KIND_FP8         D float8_e4m3fn bytes, value = e4m3 * kv_scale (the layer's scale);
+ *   KIND_FP8_DS_MLA  r e4m3 bytes, ceil(r/128) float32 scales (one per 128 latent values),
+ *                    D - r bf16 rotary values.
+ * FP8 rows are decoded a block of BLK rows at a time into the thread's fp32 buffer (36 KiB at
+ * D = 576), scored and summed from there while they are in L1: only the stored bytes come
+ * from memory. Decoding is exact up to the one rounding of e4m3 * scale, as torch computes it
+ * (KVFormat.decode_latent), so both paths see the same fp32 entries.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -44,6 +57,82 @@ static inline float hsum(vf v) {
 }
 
 static inline int64_t clamp(int64_t j, int64_t last) { return j < last ? j : last; }
+
+enum { KIND_F32 = 0, KIND_FP8 = 1, KIND_FP8_DS_MLA = 2 };
+#define TILE 128 /* fp8_ds_mla: latent values per scale */
+
+typedef uint8_t vu8 __attribute__((vector_size(V)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * V)));
+typedef int32_t vi __attribute__((vector_size(V * sizeof(int32_t))));
+typedef int32_t vi_unaligned __attribute__((vector_size(V * sizeof(int32_t)), aligned(4), may_alias));
+
+static inline vf as_vf(vi x) {
+    vf y;
+    memcpy(&y, &x, sizeof y);
+    return y;
+}
+static inline vi as_vi(vf x) {
+    vi y;
+    memcpy(&y, &x, sizeof y);
+    return y;
+}
+
+/* dst[0..n) = e4m3(src[0..n)) * scale, n % V == 0. With AVX-512: the byte s.eeee.mmm shifted into
+ * an fp16 (s.0eeee.mmm0000000) is 2^-8 times the e4m3 value, subnormals included, and the
+ * hardware converts fp16 to fp32 exactly; times 256 * scale rounds once. Otherwise: for e > 0
+ * the fp32 whose exponent is e + 120 and mantissa m << 20 (2^(e-7) (1 + m/8)); for e == 0
+ * (subnormal) m * 2^-9; both exact, and the product with the scale rounds once. Either way the
+ * bits of torch's e4m3 -> fp32 cast times the scale. */
+static void decode_e4m3(const uint8_t *src, int64_t n, float scale, float *dst) {
+#if defined(__AVX512F__)
+    const __m256i mag = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16(0x80);
+    const __m512 sv = _mm512_set1_ps(256.f * scale);
+    for (int64_t k = 0; k < n; k += V) {
+        __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + k)));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, mag), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(x, sign), 8));
+        _mm512_storeu_ps(dst + k, _mm512_mul_ps(_mm512_cvtph_ps(h), sv));
+    }
+#else
+    const vi mag_mask = (vi){0} + 0x7F, sign_mask = (vi){0} + 0x80, bias = (vi){0} + (120 << 23);
+    const vf sub_unit = bcast(1.f / 512.f), sv = bcast(scale);
+    for (int64_t k = 0; k < n; k += V) {
+        vu8 b;
+        memcpy(&b, src + k, sizeof b);
+        vi x = __builtin_convertvector(b, vi);
+        vi mag = x & mag_mask;
+        vi normal = (mag << 20) + bias;
+        vi sub = as_vi(__builtin_convertvector(mag, vf) * sub_unit);
+        vi is_sub = (mag >> 3) == 0; /* -1 where the exponent field is 0 */
+        vi bits = (normal & ~is_sub) | (sub & is_sub) | ((x & sign_mask) << 24);
+        st(dst + k, as_vf(bits) * sv);
+    }
+#endif
+}
+
+/* dst[0..n) = bf16(src[0..n)), n % V == 0: the bf16 bits are the top half of the fp32's. */
+static void decode_bf16(const uint8_t *src, int64_t n, float *dst) {
+    for (int64_t k = 0; k < n; k += V) {
+        vu16 h;
+        memcpy(&h, src + 2 * k, sizeof h);
+        st(dst + k, as_vf(__builtin_convertvector(h, vi) << 16));
+    }
+}
+
+/* One stored row → D fp32 values. */
+static void decode_row(const uint8_t *row, int kind, float kv_scale, int64_t D, int64_t r, float *dst) {
+    if (kind == KIND_FP8) {
+        decode_e4m3(row, D, kv_scale, dst);
+        return;
+    }
+    int64_t tiles = (r + TILE - 1) / TILE;
+    for (int64_t t = 0; t < tiles; t++) {
+        float s;
+        memcpy(&s, row + r + 4 * t, sizeof s);
+        decode_e4m3(row + t * TILE, clamp(TILE, r - t * TILE), s, dst + t * TILE);
+    }
+    decode_bf16(row + r + 4 * tiles, D - r, dst + r);
+}
 
 /* s[h * BLK + j - j0] = q[h] . rows[j] for j in [j0, j1), h < H: 4 rows x 4 heads per pass,
  * sixteen accumulators in registers (named, so the compiler keeps them there). Prefetches the
@@ -130,11 +219,14 @@ static void accumulate(const float *p, const float *corr, int64_t H, int64_t r, 
 }
 
 /* One work item: rows idx[0..nb) of one request; writes o [H, r] (unnormalised: sum_j
- * exp(s_j - m) row_j), m [H] (max score) and l [H] (sum_j exp(s_j - m)). s, corr: scratch. */
-static void segment(const float *pool, int64_t D, const int64_t *idx, int64_t nb, const float *q, int64_t H,
-                    int64_t r, float scale, float *s, float *corr, float *o, float *m, float *l) {
+ * exp(s_j - m) row_j), m [H] (max score) and l [H] (sum_j exp(s_j - m)). s, corr: scratch;
+ * deq: BLK * D floats of scratch for FP8 rows. */
+static void segment(const uint8_t *pool, int64_t row_bytes, int kind, float kv_scale, int64_t D, const int64_t *idx,
+                    int64_t nb, const float *q, int64_t H, int64_t r, float scale, float *s, float *corr, float *deq,
+                    float *o, float *m, float *l) {
     const float *rows[SEG];
-    for (int64_t j = 0; j < nb; j++) rows[j] = pool + idx[j] * D;
+    if (kind == KIND_F32)
+        for (int64_t j = 0; j < nb; j++) rows[j] = (const float *)(pool + idx[j] * row_bytes);
     memset(o, 0, sizeof(float) * H * r);
     for (int64_t h = 0; h < H; h++) {
         m[h] = -INFINITY;
@@ -142,7 +234,15 @@ static void segment(const float *pool, int64_t D, const int64_t *idx, int64_t nb
     }
     for (int64_t j0 = 0; j0 < nb; j0 += BLK) {
         int64_t j1 = clamp(j0 + BLK, nb), n = j1 - j0;
-        scores(q, H, D, rows, j0, j1, nb, s);
+        if (kind != KIND_F32) {
+            for (int64_t j = j1; j < clamp(j1 + BLK, nb); j++) /* the next block's rows, every line */
+                for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(pool + idx[j] * row_bytes + c);
+            for (int64_t j = j0; j < j1; j++) {
+                rows[j] = deq + (j - j0) * D;
+                decode_row(pool + idx[j] * row_bytes, kind, kv_scale, D, r, deq + (j - j0) * D);
+            }
+        }
+        scores(q, H, D, rows, j0, j1, kind == KIND_F32 ? nb : j1, s);
         for (int64_t h = 0; h < H; h++) {
             float *sh = s + h * BLK, mx = m[h], sum = 0.f;
             for (int64_t j = 0; j < n; j++) {
@@ -163,16 +263,19 @@ static void segment(const float *pool, int64_t D, const int64_t *idx, int64_t nb
 
 int mla_decode_seg(void) { return SEG; }
 
+int mla_decode_block(void) { return BLK; }
+
 /* Items of request b are item_offs[b] .. item_offs[b+1); part_o [items, H, r], part_ml
- * [items, 2, H] and scratch [threads, H, SEG] (SEG >= BLK + 1) are scratch space. out [B, H, r], lse [B, H]. */
-void mla_decode_f32(const float *pool, int64_t D, const int64_t *idx, const int64_t *offs, const int64_t *item_offs,
-                    const float *q, int64_t B, int64_t H, int64_t r, float scale, float *part_o, float *part_ml,
-                    float *scratch, float *out, float *lse, int nthreads) {
+ * [items, 2, H] and scratch [threads, H * SEG + BLK * D] (SEG >= BLK + 1) are scratch space.
+ * out [B, H, r], lse [B, H]. Rows are row_bytes apart in the layout `kind` (see the top). */
+void mla_decode(const uint8_t *pool, int64_t row_bytes, int kind, float kv_scale, int64_t D, const int64_t *idx,
+                const int64_t *offs, const int64_t *item_offs, const float *q, int64_t B, int64_t H, int64_t r,
+                float scale, float *part_o, float *part_ml, float *scratch, float *out, float *lse, int nthreads) {
     int64_t items = item_offs[B];
 #pragma omp parallel num_threads(nthreads)
     {
 #ifdef _OPENMP
-        float *s = scratch + (int64_t)omp_get_thread_num() * H * SEG;
+        float *s = scratch + (int64_t)omp_get_thread_num() * (H * SEG + BLK * D);
 #else
         float *s = scratch;
 #endif
@@ -185,8 +288,9 @@ void mla_decode_f32(const float *pool, int64_t D, const int64_t *idx, const int6
                 if (item_offs[mid] <= it) lo = mid; else hi = mid;
             }
             int64_t b = lo, start = offs[b] + (it - item_offs[b]) * SEG;
-            segment(pool, D, idx + start, clamp(SEG, offs[b + 1] - start), q + b * H * D, H, r, scale, s, s + H * BLK,
-                    part_o + it * H * r, part_ml + it * 2 * H, part_ml + it * 2 * H + H);
+            segment(pool, row_bytes, kind, kv_scale, D, idx + start, clamp(SEG, offs[b + 1] - start), q + b * H * D, H,
+                    r, scale, s, s + H * BLK, s + H * SEG, part_o + it * H * r, part_ml + it * 2 * H,
+                    part_ml + it * 2 * H + H);
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {

@@ -25,6 +25,12 @@ dtype (never through bf16 when computing in fp32: that changes greedy tokens).
 Skipped with one log line that counts them: multi-token-prediction layers (index ≥
 ``num_hidden_layers``), indexer weights on GLM "shared" layers (which reuse an earlier layer's
 selection), rotary ``inv_freq`` buffers.
+
+KV-cache scales: FP8-cache checkpoints ship one scalar per layer, ``model.layers.{i}.self_attn.
+k_scale`` (or ``kv_scale``, or under ``self_attn.attn.``, as vLLM names them), plus ``v_scale``.
+They are no parameters: :func:`read_kv_scales` reads them for the ``fp8`` cache format
+(engine/cache/kvformat.py), which stores each entry as e4m3(x / k_scale). MLA caches one latent
+for keys and values, so ``v_scale`` is accepted and not used (as vLLM's MLA backends do).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ logger = logging.getLogger("cpserve.loader")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(k_scale|kv_scale|v_scale)$")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
@@ -148,6 +155,8 @@ def _skipped(name: str, cfg: ModelConfig) -> str | None:
     """Why a tensor the checkpoint ships is not used for inference (None: it is used)."""
     if name.endswith("rotary_emb.inv_freq"):
         return "rotary buffer"
+    if _KV_SCALE.match(name):
+        return "kv-cache scale (read by the cache format, not a weight)"
     m = _LAYER.match(name)
     if m:
         layer = int(m.group(1))
@@ -304,6 +313,39 @@ def inspect_checkpoint(path: Path, cfg: ModelConfig, expected: dict[str, tuple[i
             problems["missing tensors"].append(name)
     _report(problems, path)
     return plan
+
+
+def read_kv_scales(model: str | Path, cfg: ModelConfig) -> tuple[float, ...] | None:
+    """The checkpoint's per-layer KV-cache scale (``k_scale``, else ``kv_scale``), or None when
+    it ships none. Reads the headers and the scalars only. A checkpoint that has them for some
+    layers and not others, or a scale that is not one finite positive float, is refused."""
+    path = Path(model)
+    found: dict[int, dict[str, TensorInfo]] = {}
+    for f in _shard_files(path):
+        for name, info in read_header(f).items():
+            m = _KV_SCALE.match(name)
+            if m and int(m.group(1)) < cfg.num_layers:
+                found.setdefault(int(m.group(1)), {})[m.group(2)] = info
+    keyed = {layer: kinds.get("k_scale") or kinds.get("kv_scale") for layer, kinds in found.items()}
+    keyed = {layer: info for layer, info in keyed.items() if info is not None}
+    if not keyed:
+        return None
+    missing = [f"model.layers.{l}.self_attn.k_scale" for l in range(cfg.num_layers) if l not in keyed]
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: kv-cache scales for some layers only; missing "
+                              + "; ".join(missing[:_SHOW]))
+    scales = []
+    for layer in range(cfg.num_layers):
+        info = keyed[layer]
+        if math.prod(info.shape) != 1 or info.dtype not in _FLOAT:
+            raise CheckpointError(f"checkpoint: {info.name} ({info.file.name}) is {info.dtype} {list(info.shape)}, "
+                                  "expected one float")
+        with safe_open(str(info.file), framework="pt") as fh:
+            value = float(fh.get_tensor(info.name).float().reshape(()))
+        if not (math.isfinite(value) and value > 0):
+            raise CheckpointError(f"checkpoint: {info.name} ({info.file.name}) is {value}, expected a finite scale > 0")
+        scales.append(value)
+    return tuple(scales)
 
 
 # ---- pass 2: stream the data -------------------------------------------------------------------

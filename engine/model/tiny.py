@@ -146,9 +146,16 @@ def cache_dir() -> Path:
     return Path(base)
 
 
+# The trained demo model (scripts/train_demo.py), shipped in the package: `cpserve up`'s default.
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+
+
 def resolve_model_dir(model: str | Path) -> Path:
-    """A checkpoint directory, or the embedded ``tiny`` (also ``tiny-v3``, ``tiny-v32``) model."""
+    """A checkpoint directory, the shipped ``demo`` model, or the embedded ``tiny`` (also
+    ``tiny-v3``, ``tiny-v32``) model."""
     name = str(model)
+    if name == "demo":
+        return DEMO_DIR
     aliases = {"tiny": "glm_moe_dsa", "tiny-glm": "glm_moe_dsa", "tiny-v3": "deepseek_v3", "tiny-v32": "deepseek_v32"}
     if name in aliases:
         target = cache_dir() / "models" / f"tiny-{aliases[name]}-v{TINY_VERSION}"
@@ -159,5 +166,5 @@ def resolve_model_dir(model: str | Path) -> Path:
     if not path.is_dir():
         from engine.model.config import ModelConfigError
 
-        raise ModelConfigError(f"model: {name!r} is neither a checkpoint directory nor 'tiny'")
+        raise ModelConfigError(f"model: {name!r} is neither a checkpoint directory nor 'demo' or 'tiny'")
     return path

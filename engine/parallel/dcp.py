@@ -24,7 +24,8 @@ tokens, takes a local top-k of (score, position), all-gathers the candidates and
 exact global top-k (a token of the global top-k is in its owner's local top-k under the same
 total order: score, then position).
 
-What one rank stores: ~1/C of the latent rows (+ all index keys when copied, 1/C when split),
+What one rank stores: ~1/C of the latent rows (+ all index keys when copied, 1/C when split), in
+the cache's stored form (``kv_cache_dtype``: fp32, bf16, or FP8 bytes — engine/cache/kvformat.py),
 1/C of the heads' projection and MLP weights, ~1/C of the routed experts. What crosses per layer and step (B requests, H
 heads, r = kv_lora_rank, dr = rope dim): the query all-gather B·H·(r+dr) values (unless
 replicated); the exchange B·H·(r+1) values (a2a) or B·H LSEs + B·H·r values reduce-scattered
@@ -40,6 +41,8 @@ import torch
 import torch.distributed as dist
 
 from engine.cache.gather import RowGatherer, fused_decode_attention
+from engine.cache.kvformat import KVFormat
+from engine.cache.pool import resident_bytes, zeroed
 from engine.handoff import RankEndpoint, kv_backend
 from engine.model.attention import merge_partials, topk_mask, topk_select
 from engine.model.batch import ForwardBatch, RequestView
@@ -100,15 +103,15 @@ class DCPKV:
 
     def store(self, layer, latent, index_key):
         """Entries of the step's tokens: the latent only on its owner rank p mod C."""
-        r = self.r
+        r, fmt = self.r, self.r.fmt
         own = latent if self._mine is None else latent.index_select(0, self._mine)
-        r.latent[layer].index_copy_(0, self._own_new_rows, own if own.dtype == r.dtype else own.to(r.dtype))
+        r.latent[layer].index_copy_(0, self._own_new_rows, fmt.encode_latent(layer, own))
         if index_key is not None:
             if r.indexer == "copied":
-                r.index[layer].index_copy_(0, self.new_slots, index_key.to(r.dtype))
+                r.index[layer].index_copy_(0, self.new_slots, fmt.encode_index(index_key))
             else:
                 own = index_key if self._mine is None else index_key.index_select(0, self._mine)
-                r.index[layer].index_copy_(0, self._own_new_rows, own.to(r.dtype))
+                r.index[layer].index_copy_(0, self._own_new_rows, fmt.encode_index(own))
 
     def latent(self, layer, req):
         raise NotImplementedError("DCP ranks run decode steps only; prompts arrive as KV")
@@ -128,7 +131,7 @@ class DCPKV:
                 if slots.numel() <= k:
                     out.append(None)
                     continue
-                keys = r.index[layer].index_select(0, slots)
+                keys = r.fmt.decode_index(r.index[layer].index_select(0, slots), r.dtype)
                 out.append(topk_select(indexer.scores(iq[b : b + 1], iw[b : b + 1], keys)[0], k))
             return out
         return self._split_select(layer, iq, iw, k, indexer)
@@ -151,7 +154,8 @@ class DCPKV:
             if pos.numel() == 0:
                 continue
             rows = slots[pos] // r.world
-            scores = indexer.scores(iq[b : b + 1], iw[b : b + 1], r.index[layer].index_select(0, rows))[0]
+            keys = r.fmt.decode_index(r.index[layer].index_select(0, rows), r.dtype)
+            scores = indexer.scores(iq[b : b + 1], iw[b : b + 1], keys)[0]
             keep = topk_select(scores, k)
             cand[b, : keep.numel(), 0] = scores[keep].float()
             cand[b, : keep.numel(), 1] = pos[keep].float()
@@ -194,7 +198,8 @@ class DCPKV:
                 rows.append(slots[sel[b][sel[b] % r.world == r.rank]] // r.world)
             else:
                 rows.append(self._own_rows[b])
-        out, lse = r.gather.attend(r.latent[layer], rows, q, r.cfg.kv_lora_rank, scale, return_lse=r.world > 1)
+        out, lse = r.gather.attend(r.latent[layer], rows, q, r.cfg.kv_lora_rank, scale, return_lse=r.world > 1,
+                                   layer=layer)
         if r.world == 1:
             return out
         return self._exchange(out, lse)
@@ -231,7 +236,7 @@ class DecodeRank:
 
     def __init__(self, ctx, model_dir: str, dtype: str, num_rows: int, exchange: str = "a2a",
                  indexer: str = "copied", replicate_q_proj: bool = False, kv_transport: str | None = None,
-                 kv_host: str = "127.0.0.1", moe_parallel: str = "ep"):
+                 kv_host: str = "127.0.0.1", moe_parallel: str = "ep", kv_cache_dtype: str = "auto"):
         if exchange not in EXCHANGES:
             raise ValueError(f"dcp_comm: {exchange!r} is not one of {', '.join(EXCHANGES)}")
         if indexer not in INDEXERS:
@@ -248,13 +253,14 @@ class DecodeRank:
         self.moe = decode_dispatch(moe_parallel, self.comm, self.world)
         cfg = self.cfg
         self.num_rows = num_rows
-        self.latent = torch.zeros(cfg.num_layers, num_rows, cfg.latent_dim, dtype=self.dtype)
+        fmt = self.fmt = KVFormat.for_checkpoint(model_dir, cfg, kv_cache_dtype, self.dtype)
+        self.latent = zeroed((cfg.num_layers, num_rows, fmt.entry_width), fmt.storage_dtype)
         index_rows = num_rows * self.world if indexer == "copied" else num_rows
-        self.index = {l: torch.zeros(index_rows, cfg.index_head_dim, dtype=self.dtype) for l in cfg.indexer_layer_ids}
+        self.index = {l: zeroed((index_rows, fmt.index_width), fmt.storage_dtype) for l in cfg.indexer_layer_ids}
         self.bytes_sent = {"q_all_gather": 0, "exchange": 0, "index_candidates": 0, "all_reduce": 0}
         self.trace: dict | None = None
         self.slots = SlotSync()  # each running request's slots, sent once (engine/plan.py)
-        self.gather = RowGatherer(fused_decode_attention(self.dtype, "cpu", cfg.latent_dim, cfg.kv_lora_rank))
+        self.gather = RowGatherer(fused_decode_attention(fmt, self.dtype, "cpu"), fmt)
         self.transport = None
         if kv_transport is not None:
             self.transport = kv_backend().receiver(kv_host, kv_transport)
@@ -269,10 +275,10 @@ class DecodeRank:
         any_index = next(iter(self.index.values()), None)
         return RankEndpoint(
             session=self.transport.session_name, latent_ptr=self.latent.data_ptr(), rows=self.num_rows,
-            latent_row_bytes=self.cfg.latent_dim * self.latent.element_size(),
+            latent_row_bytes=self.fmt.entry_bytes,
             index_ptrs={l: t.data_ptr() for l, t in self.index.items()},
             index_rows=any_index.shape[0] if any_index is not None else 0,
-            index_row_bytes=self.cfg.index_head_dim * self.latent.element_size())
+            index_row_bytes=self.fmt.index_bytes)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -285,15 +291,16 @@ class DecodeRank:
         return x
 
     def load_rows(self, slots: torch.Tensor, latent: dict, index: dict) -> None:
-        """Receive prompt entries computed elsewhere (test entry; the service uses Mooncake)."""
+        """Receive prompt entries computed elsewhere, already in this group's stored form (test
+        entry; the service receives them through Mooncake)."""
         mine = slots % self.world == self.rank
         for layer, rows in latent.items():
-            self.latent[layer][slots[mine] // self.world] = rows[mine].to(self.dtype)
+            self.latent[layer][slots[mine] // self.world] = rows[mine]
         for layer, rows in index.items():
             if self.indexer == "copied":
-                self.index[layer][slots] = rows.to(self.dtype)
+                self.index[layer][slots] = rows
             else:
-                self.index[layer][slots[mine] // self.world] = rows[mine].to(self.dtype)
+                self.index[layer][slots[mine] // self.world] = rows[mine]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the entries of group slots ``src`` to ``dst`` (a fork's copy of its prompt's
@@ -333,9 +340,11 @@ class DecodeRank:
         return {"rows": mine, "latent": self.latent[:, mine].clone()}
 
     def memory(self) -> dict:
+        """Pool bytes reserved, and resident so far (the pools' pages are touched as rows are written)."""
         latent = self.latent.numel() * self.latent.element_size()
         index = sum(t.numel() * t.element_size() for t in self.index.values())
-        return {"latent_bytes": latent, "index_bytes": index, "num_rows": self.num_rows}
+        resident = sum(resident_bytes(t) for t in (self.latent, *self.index.values()))
+        return {"latent_bytes": latent, "index_bytes": index, "num_rows": self.num_rows, "resident_bytes": resident}
 
     def stats(self) -> dict:
         return dict(self.bytes_sent, experts=getattr(self.moe, "bytes_sent", 0))

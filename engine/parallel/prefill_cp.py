@@ -16,9 +16,10 @@ row goes to the ranks holding its chosen experts and back (engine/parallel/exper
 What one rank stores: without layer split, a full copy of the cache (every layer, every row);
 with ``layer_split``, only its contiguous range of layers (the first L mod C ranks take one
 extra) plus one scratch layer holding the layer in flight for the requests of the forward.
-What crosses per attention layer: an all-gather of T × (latent_dim + index_head_dim on
-indexer layers) values (T = the forward's new tokens); with layer split, also a broadcast of
-the batch's cached-prefix rows of that layer from its owner.
+What crosses per attention layer: an all-gather of T × (entry bytes + index key bytes on
+indexer layers) in the cache's stored form (T = the forward's new tokens; each rank encodes its
+own entries once, so an FP8 cache gathers bytes, not the compute dtype); with layer split, also
+a broadcast of the batch's cached-prefix rows of that layer from its owner.
 Cost: the all-gather moves (C−1)/C of T × entry bytes into each rank; attention and indexer
 work per rank is that of its own queries (balanced by the layout).
 """
@@ -31,7 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from engine.cache.pool import KVPool
+from engine.cache.kvformat import KVFormat
+from engine.cache.pool import KVPool, zeroed
 from engine.faults import faults
 from engine.handoff import kv_backend
 from engine.model.batch import ForwardBatch, RequestView
@@ -44,11 +46,11 @@ from engine.runner import batch_inputs, merge_scores, score_request, split_score
 
 
 class ScratchLayer:
-    """One layer's worth of rows (latent + index key), addressed by slot: the layer in flight."""
+    """One layer's worth of rows (latent + index key, stored form), addressed by slot: the layer in flight."""
 
-    def __init__(self, cfg, num_rows: int, dtype: torch.dtype):
-        self.latent_rows = torch.zeros(num_rows, cfg.latent_dim, dtype=dtype)
-        self.index_rows = torch.zeros(num_rows, max(cfg.index_head_dim, 1), dtype=dtype) if cfg.has_indexer else None
+    def __init__(self, cfg, num_rows: int, fmt: KVFormat):
+        self.latent_rows = zeroed((num_rows, fmt.entry_width), fmt.storage_dtype)
+        self.index_rows = zeroed((num_rows, fmt.index_width), fmt.storage_dtype) if cfg.has_indexer else None
 
     @property
     def nbytes(self) -> int:
@@ -80,11 +82,15 @@ class CPKV:
         return out[self.order]
 
     def store(self, layer, latent, index_key):
+        """Own entries are encoded (quantized once, by the rank that computed them) and their
+        stored bytes all-gathered: an FP8 cache moves 1 byte a value, not the compute dtype's."""
         faults().after_layer()
-        r, cfg = self.r, self.r.cfg
-        packed = latent if index_key is None else torch.cat([latent, index_key.to(latent.dtype)], dim=-1)
-        full = self._all_gather(packed.to(r.dtype))
-        lat, idx = full[:, : cfg.latent_dim], (full[:, cfg.latent_dim :] if index_key is not None else None)
+        r, fmt = self.r, self.r.pool.fmt
+        own = fmt.encode_latent(layer, latent)
+        if index_key is not None:
+            own = torch.cat([own, fmt.encode_index(index_key)], dim=-1)
+        full = self._all_gather(own)
+        lat, idx = full[:, : fmt.entry_width], (full[:, fmt.entry_width :] if index_key is not None else None)
         if r.pool.holds(layer):
             r.pool.latent(layer)[self.new_slots] = lat
             if idx is not None:
@@ -100,10 +106,10 @@ class CPKV:
 
     def _fill_prefix(self, layer: int, has_index: bool) -> None:
         """Layer split: the owner broadcasts the batch's cached-prefix rows of this layer."""
-        r, n = self.r, self.prefix_slots.numel()
+        r, n, fmt = self.r, self.prefix_slots.numel(), self.r.pool.fmt
         if n == 0:
             return
-        width = r.cfg.latent_dim + (r.cfg.index_head_dim if has_index else 0)
+        width = fmt.entry_width + (fmt.index_width if has_index else 0)
         owner = layer_owner(layer, r.cfg.num_layers, r.world)
         if r.rank == owner:
             parts = [r.pool.latent(layer).index_select(0, self.prefix_slots)]
@@ -111,12 +117,12 @@ class CPKV:
                 parts.append(r.pool.index(layer).index_select(0, self.prefix_slots))
             buf = torch.cat(parts, dim=-1).contiguous()
         else:
-            buf = torch.empty(n, width, dtype=r.dtype)
+            buf = torch.empty(n, width, dtype=fmt.storage_dtype)
         if r.world > 1:
             dist.broadcast(buf, src=owner, group=r.group)
-        r.scratch.latent_rows[self.prefix_slots] = buf[:, : r.cfg.latent_dim]
+        r.scratch.latent_rows[self.prefix_slots] = buf[:, : fmt.entry_width]
         if has_index:
-            r.scratch.index_rows[self.prefix_slots] = buf[:, r.cfg.latent_dim :]
+            r.scratch.index_rows[self.prefix_slots] = buf[:, fmt.entry_width :]
 
     def _source(self, layer):
         r = self.r
@@ -125,10 +131,11 @@ class CPKV:
         return r.pool.latent(layer), (r.pool.index(layer) if layer in r.pool.index_layers else None)
 
     def latent(self, layer, req):
-        return self._source(layer)[0].index_select(0, self.req_slots[req])
+        rows = self._source(layer)[0].index_select(0, self.req_slots[req])
+        return self.r.pool.fmt.decode_latent(layer, rows, self.r.dtype)
 
     def index_keys(self, layer, req):
-        return self._source(layer)[1].index_select(0, self.req_slots[req])
+        return self.r.pool.fmt.decode_index(self._source(layer)[1].index_select(0, self.req_slots[req]), self.r.dtype)
 
     def decode_select(self, *a, **k):
         raise NotImplementedError("prefill CP ranks run extend steps only")
@@ -140,7 +147,8 @@ class PrefillRank:
     """Worker of one prefill CP rank (constructed in the rank process by WorkerGroup)."""
 
     def __init__(self, ctx, model_dir: str, dtype: str, strategy: str, layer_split: bool, num_rows: int,
-                 kv_transport: str | None = None, kv_host: str = "127.0.0.1", moe_parallel: str = "ep"):
+                 kv_transport: str | None = None, kv_host: str = "127.0.0.1", moe_parallel: str = "ep",
+                 kv_cache_dtype: str = "auto"):
         if layer_split and strategy != "interleave":
             raise ValueError("layer_split: supported with the interleave strategy only")
         self.rank, self.world, self.group = ctx.rank, ctx.world_size, ctx.group
@@ -150,8 +158,9 @@ class PrefillRank:
         self.cfg = self.lm.cfg
         self.moe = prefill_dispatch(moe_parallel, self.group, self.rank, self.world, self.cfg.n_routed_experts)
         layers = layer_owner_ranges(self.cfg.num_layers, self.world)[self.rank] if layer_split else None
-        self.pool = KVPool(self.cfg, num_rows, self.dtype, layers=layers)
-        self.scratch = ScratchLayer(self.cfg, num_rows, self.dtype) if layer_split else None
+        fmt = KVFormat.for_checkpoint(model_dir, self.cfg, kv_cache_dtype, self.dtype)
+        self.pool = KVPool(self.cfg, num_rows, self.dtype, layers=layers, fmt=fmt)
+        self.scratch = ScratchLayer(self.cfg, num_rows, fmt) if layer_split else None
         self.trace: dict | None = None
         self.gathered_bytes = 0
         self.sender = None

@@ -41,6 +41,10 @@ class _ServiceConfig(_InternalPlaneConfig):
 
     model: str = "tiny"
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: the checkpoint's torch_dtype
+    # how cache entries are stored (engine/cache/kvformat.py): auto = the compute dtype; fp8 = e4m3 with
+    # a per-layer scale (576 bytes a layer at DeepSeek's sizes); fp8_ds_mla = DeepSeek's 656-byte layout.
+    # Prefill and decode must agree (checked with the layout fingerprint).
+    kv_cache_dtype: Literal["auto", "fp32", "bf16", "fp8", "fp8_ds_mla"] = "auto"
     generation_config: Literal["auto", "none"] = "auto"  # none: generation_config.json's eos ids are not stop ids
     page_size: int = Field(16, ge=1)
     max_cache_tokens: int = Field(1 << 16, ge=1)
@@ -136,7 +140,7 @@ class PrefillConfig(_ServiceConfig):
                     page_size=self.page_size,
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.thread_plan.threads,
                     kv_transport=self.kv_protocol, kv_host=self.kv_host, prefix_cache=self.prefix_cache,
-                    moe_parallel=self.moe_parallel)
+                    moe_parallel=self.moe_parallel, kv_cache_dtype=self.kv_cache_dtype)
 
 
 class DecodeConfig(_ServiceConfig):
@@ -174,7 +178,7 @@ class DecodeConfig(_ServiceConfig):
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.thread_plan.threads,
                     reference_prefill=False, pipelined=True, kv_transport=self.kv_protocol, kv_host=self.kv_host,
                     lease_s=self.lease_s, write_lease_s=self.write_lease_s, moe_parallel=self.moe_parallel,
-                    kv_cache_memory=self.kv_cache_memory)
+                    kv_cache_memory=self.kv_cache_memory, kv_cache_dtype=self.kv_cache_dtype)
 
 
 SECTIONS: dict[str, type[_ServiceConfig]] = {"prefill": PrefillConfig, "decode": DecodeConfig}

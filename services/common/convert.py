@@ -48,11 +48,15 @@ def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
 def fingerprint_to_proto(fp: dict) -> kv_pb2.LayoutFingerprint:
     return kv_pb2.LayoutFingerprint(model=fp["model"], dtype=fp["dtype"], latent_dim=fp["latent_dim"],
                                     index_head_dim=fp["index_head_dim"], num_layers=fp["num_layers"],
-                                    indexer_layers=list(fp["indexer_layers"]))
+                                    indexer_layers=list(fp["indexer_layers"]), kv_cache_dtype=fp["kv_cache_dtype"],
+                                    kv_entry_bytes=fp["kv_entry_bytes"], kv_index_bytes=fp["kv_index_bytes"],
+                                    kv_scales=list(fp["kv_scales"]))
 
 
 def fingerprint_from_proto(msg: kv_pb2.LayoutFingerprint) -> dict:
-    return {"model": msg.model, "dtype": msg.dtype, "latent_dim": msg.latent_dim,
+    return {"model": msg.model, "dtype": msg.dtype, "kv_cache_dtype": msg.kv_cache_dtype,
+            "kv_entry_bytes": msg.kv_entry_bytes, "kv_index_bytes": msg.kv_index_bytes,
+            "kv_scales": list(msg.kv_scales), "latent_dim": msg.latent_dim,
             "index_head_dim": msg.index_head_dim, "num_layers": msg.num_layers,
             "indexer_layers": list(msg.indexer_layers)}
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x08kv.proto\x12\ncpserve.kv\"\xf7\x01\n\x0cRankEndpoint\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nlatent_ptr\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x18\n\x10latent_row_bytes\x18\x04 \x01(\x04\x12;\n\nindex_ptrs\x18\x05 \x03(\x0b\x32\'.cpserve.kv.RankEndpoint.IndexPtrsEntry\x12\x12\n\nindex_rows\x18\x06 \x01(\x04\x12\x17\n\x0findex_row_bytes\x18\x07 \x01(\x04\x1a\x30\n\x0eIndexPtrsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x89\x01\n\x11LayoutFingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nlatent_dim\x18\x03 \x01(\r\x12\x16\n\x0eindex_head_dim\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x16\n\x0eindexer_layers\x18\x06 \x03(\r\"\xa8\x02\n\rKvDestination\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0b\n\x03\x64\x63p\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12)\n\nindex_mode\x18\x04 \x01(\x0e\x32\x15.cpserve.kv.IndexMode\x12\r\n\x05slots\x18\x05 \x03(\x04\x12\x15\n\rprefix_tokens\x18\x06 \x01(\r\x12\'\n\x05ranks\x18\x07 \x03(\x0b\x32\x18.cpserve.kv.RankEndpoint\x12\x32\n\x0b\x66ingerprint\x18\x08 \x01(\x0b\x32\x1d.cpserve.kv.LayoutFingerprint\x12\x19\n\x11\x65xpires_at_unix_s\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_address\x18\n \x01(\t*T\n\tIndexMode\x12\x1a\n\x16INDEX_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11INDEX_MODE_COPIED\x10\x01\x12\x14\n\x10INDEX_MODE_SPLIT\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x08kv.proto\x12\ncpserve.kv\"\xf7\x01\n\x0cRankEndpoint\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nlatent_ptr\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x18\n\x10latent_row_bytes\x18\x04 \x01(\x04\x12;\n\nindex_ptrs\x18\x05 \x03(\x0b\x32\'.cpserve.kv.RankEndpoint.IndexPtrsEntry\x12\x12\n\nindex_rows\x18\x06 \x01(\x04\x12\x17\n\x0findex_row_bytes\x18\x07 \x01(\x04\x1a\x30\n\x0eIndexPtrsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xe4\x01\n\x11LayoutFingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nlatent_dim\x18\x03 \x01(\r\x12\x16\n\x0eindex_head_dim\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x16\n\x0eindexer_layers\x18\x06 \x03(\r\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12\x16\n\x0ekv_entry_bytes\x18\x08 \x01(\r\x12\x16\n\x0ekv_index_bytes\x18\t \x01(\r\x12\x11\n\tkv_scales\x18\n \x03(\x02\"\xa8\x02\n\rKvDestination\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0b\n\x03\x64\x63p\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12)\n\nindex_mode\x18\x04 \x01(\x0e\x32\x15.cpserve.kv.IndexMode\x12\r\n\x05slots\x18\x05 \x03(\x04\x12\x15\n\rprefix_tokens\x18\x06 \x01(\r\x12\'\n\x05ranks\x18\x07 \x03(\x0b\x32\x18.cpserve.kv.RankEndpoint\x12\x32\n\x0b\x66ingerprint\x18\x08 \x01(\x0b\x32\x1d.cpserve.kv.LayoutFingerprint\x12\x19\n\x11\x65xpires_at_unix_s\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_address\x18\n \x01(\t*T\n\tIndexMode\x12\x1a\n\x16INDEX_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11INDEX_MODE_COPIED\x10\x01\x12\x14\n\x10INDEX_MODE_SPLIT\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RANKENDPOINT_INDEXPTRSENTRY']._loaded_options = None
   _globals['_RANKENDPOINT_INDEXPTRSENTRY']._serialized_options = b'8\001'
-  _globals['_INDEXMODE']._serialized_start=713
-  _globals['_INDEXMODE']._serialized_end=797
+  _globals['_INDEXMODE']._serialized_start=804
+  _globals['_INDEXMODE']._serialized_end=888
   _globals['_RANKENDPOINT']._serialized_start=25
   _globals['_RANKENDPOINT']._serialized_end=272
   _globals['_RANKENDPOINT_INDEXPTRSENTRY']._serialized_start=224
   _globals['_RANKENDPOINT_INDEXPTRSENTRY']._serialized_end=272
   _globals['_LAYOUTFINGERPRINT']._serialized_start=275
-  _globals['_LAYOUTFINGERPRINT']._serialized_end=412
-  _globals['_KVDESTINATION']._serialized_start=415
-  _globals['_KVDESTINATION']._serialized_end=711
+  _globals['_LAYOUTFINGERPRINT']._serialized_end=503
+  _globals['_KVDESTINATION']._serialized_start=506
+  _globals['_KVDESTINATION']._serialized_end=802
 # @@protoc_insertion_point(module_scope)

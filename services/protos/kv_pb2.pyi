@@ -42,20 +42,28 @@ class RankEndpoint(_message.Message):
     def __init__(self, session: _Optional[str] = ..., latent_ptr: _Optional[int] = ..., rows: _Optional[int] = ..., latent_row_bytes: _Optional[int] = ..., index_ptrs: _Optional[_Mapping[int, int]] = ..., index_rows: _Optional[int] = ..., index_row_bytes: _Optional[int] = ...) -> None: ...
 
 class LayoutFingerprint(_message.Message):
-    __slots__ = ("model", "dtype", "latent_dim", "index_head_dim", "num_layers", "indexer_layers")
+    __slots__ = ("model", "dtype", "latent_dim", "index_head_dim", "num_layers", "indexer_layers", "kv_cache_dtype", "kv_entry_bytes", "kv_index_bytes", "kv_scales")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LATENT_DIM_FIELD_NUMBER: _ClassVar[int]
     INDEX_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     INDEXER_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     latent_dim: int
     index_head_dim: int
     num_layers: int
     indexer_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., latent_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ..., indexer_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_cache_dtype: str
+    kv_entry_bytes: int
+    kv_index_bytes: int
+    kv_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., latent_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ..., indexer_layers: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_entry_bytes: _Optional[int] = ..., kv_index_bytes: _Optional[int] = ..., kv_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KvDestination(_message.Message):
     __slots__ = ("reservation_id", "dcp", "page_size", "index_mode", "slots", "prefix_tokens", "ranks", "fingerprint", "expires_at_unix_s", "decode_address")
