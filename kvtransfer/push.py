@@ -4,7 +4,7 @@ What one rank stores: a registered staging buffer (grown on demand) and one tran
 What crosses: for each write of the plan (engine/parallel/transfer_plan.py), its rows of each layer in its
 range, packed contiguously in the staging buffer, then written to the destination rank's pool
 with one batched transfer per destination rank.
-Cost: one gather per (write, layer) into staging (memory bandwidth) and one transfer entry per
+Cost: one gather per (write, layer) straight into staging (memory bandwidth, no temporary) and one transfer entry per
 (write, layer); the plan merges consecutive destination rows, so entries are few and large.
 """
 
@@ -53,9 +53,8 @@ class KVSender:
                 srcs, dsts, lens = per_peer.setdefault(ep.session, ([], [], []))
                 for layer in w.layers:
                     pool = latent_of(layer) if w.kind == "latent" else index_of(layer)
-                    rows = pool[src_rows]
-                    nbytes = rows.numel() * rows.element_size()
-                    staging.view(offset, nbytes).copy_(rows.contiguous().view(-1).view(torch.uint8))
+                    end = staging.gather(offset, pool, src_rows)
+                    nbytes = end - offset
                     srcs.append(staging.ptr + offset)
                     dsts.append(ep.latent_addr(layer, w.dst_row_start) if w.kind == "latent"
                                 else ep.index_addr(layer, w.dst_row_start))

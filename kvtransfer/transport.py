@@ -358,6 +358,16 @@ class StagingBuffer:
         self.view(offset, flat.numel()).copy_(flat)
         return offset + flat.numel()
 
+    def gather(self, offset: int, pool: torch.Tensor, rows: torch.Tensor) -> int:
+        """Copy rows ``rows`` of the 2-D ``pool`` to ``offset``, one after another, in one pass
+        (no temporary); returns the offset just past them."""
+        nbytes = rows.numel() * pool.shape[1] * pool.element_size()
+        if offset % pool.element_size():  # not aligned for the pool's type: through a temporary
+            return self.pack(offset, pool.index_select(0, rows))
+        out = self.view(offset, nbytes).view(pool.dtype).view(rows.numel(), pool.shape[1])
+        torch.index_select(pool, 0, rows, out=out)
+        return offset + nbytes
+
     def close(self) -> None:
         """Unregister the buffer. Idempotent."""
         transport, self._transport = self._transport, None

@@ -359,6 +359,24 @@ def test_staging_buffer_registers_packs_and_unregisters():
     buffer.close()  # idempotent
 
 
+def test_staging_buffer_gathers_rows_in_order_at_any_offset():
+    """``gather`` writes pool[rows] straight into the buffer, aligned or not for the pool's type."""
+    t = _RecordingTransport()
+    pool = torch.randn(10, 3)
+    rows = torch.tensor([7, 2, 2, 9])
+    with StagingBuffer(t, 128) as buffer:
+        for offset in (8, 5):  # float32-aligned, then not
+            end = buffer.gather(offset, pool, rows)
+            assert end == offset + 4 * 3 * 4
+            got = buffer.view(offset, end - offset).clone().view(torch.float32).reshape(4, 3)
+            assert torch.equal(got, pool[rows])
+        fp8 = torch.randint(0, 255, (6, 5), dtype=torch.uint8)
+        end = buffer.gather(3, fp8, torch.tensor([5, 0]))
+        assert end == 13 and torch.equal(buffer.view(3, 10).reshape(2, 5), fp8[[5, 0]])
+        with pytest.raises(IndexError):
+            buffer.gather(120, pool, rows)
+
+
 @needs_mooncake
 def test_a_batch_longer_than_mooncakes_per_peer_queue_lands_exactly(transport, source, peer_factory):
     """Mooncake's TCP transport refuses one batch of more than ~2048 ranges to a peer; the
