@@ -177,6 +177,34 @@ def test_pipelined_steps_hold_the_pages_of_a_request_aborted_mid_step():
         assert seqs[i].output_ids == ref[i].output_ids
 
 
+@pytest.mark.timeout(300)
+def test_a_command_between_pipelined_steps_collects_the_step_in_flight_first():
+    """A command to the ranks while a step runs (a fork's page copy at commit) first collects
+    that step; its tokens are applied at once and delivered by the next step(), none lost."""
+    ps = prompts()[:2]
+    ref = run(ReferenceEngine("tiny"), ps)
+    with DCPDecodeEngine("tiny", dcp=2, pipelined=True) as eng:
+        seqs = [eng.add_request(p, STEPS) for p in ps]
+        delivered = {s.id: [] for s in seqs}
+
+        def deliver(events):
+            for seq, token in events:
+                delivered[seq.id].append(token)
+
+        while not eng.group.pending or not all(s.output_ids for s in seqs):
+            deliver(eng.step())
+        before = [len(s.output_ids) for s in seqs]
+        assert len(eng.quiesced("stats")) == 2 and not eng.group.pending
+        assert [len(s.output_ids) for s in seqs] == [n + 1 for n in before]
+        events = eng.step()
+        assert sorted(seq.id for seq, _ in events) == sorted(s.id for s in seqs)
+        deliver(events)
+        while eng.has_work:
+            deliver(eng.step())
+    for seq, r in zip(seqs, ref):
+        assert seq.output_ids == r.output_ids and delivered[seq.id] == seq.output_ids
+
+
 def test_slot_sync_sends_each_slot_once_and_rebuilds_the_full_lists():
     """Decode plans carry a request's new slots only; the ranks' end gives back the full lists,
     forgets requests that left, and takes a whole list again when earlier slots changed."""
