@@ -193,7 +193,7 @@ def passkey_task(rng: random.Random, n_tokens: int, depth: float, count: Callabl
     """The pass key (5 different digits) in a haystack of about ``n_tokens`` tokens, at ``depth``."""
     key = number(rng)
     head, question = "There is a pass key hidden in this text. Find it and remember it.", "What is the pass key?"
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    needle = f"The pass key is {key}. Remember it."
     budget = n_tokens - count(head) - count(" " + needle) - count("\n" + question) - 12
     hay = _insert(rng, _haystack(rng, max(budget, 0), count), [(depth, needle)], count)
     return Task("passkey", f"{head}\n{hay}\n{question}", f"The pass key is {key}.", key, depth)
