@@ -3,9 +3,7 @@
 What one rank stores: a registered staging buffer (grown on demand) and one transfer engine.
 What crosses: for each write of the plan (engine/parallel/transfer_plan.py), its rows of each layer in its
 range, packed contiguously in the staging buffer, then written to the destination rank's pool
-with one batched transfer per write. Each write's batch goes to a writer thread as soon as it
-is packed, so the next write packs while the last one is on the wire (Mooncake's write and
-torch's gather both release the GIL); `push` returns once every batch has landed or failed.
+with one batched transfer per destination rank.
 Cost: one gather per (write, layer) straight into staging (memory bandwidth, no temporary) and one transfer entry per
 (write, layer); the plan merges consecutive destination rows, so entries are few and large.
 """
@@ -13,7 +11,6 @@ Cost: one gather per (write, layer) straight into staging (memory bandwidth, no 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -26,12 +23,6 @@ class KVSender:
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp"):
         self.transport = MooncakeTransport(host, protocol)
         self.staging: StagingBuffer | None = None
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write")  # batches in order
-
-    def prepare(self, nbytes: int) -> None:
-        """Grow the staging buffer to ``nbytes`` now (registering memory takes time; a caller
-        that knows its largest push can pay it before the first)."""
-        self._staging(nbytes)
 
     def _staging(self, nbytes: int) -> StagingBuffer:
         if self.staging is None or self.staging.nbytes < nbytes:
@@ -48,41 +39,34 @@ class KVSender:
         t0 = time.perf_counter()
         if layer is not None:
             writes = [replace(w, layers=range(layer, layer + 1)) for w in writes if layer in w.layers]
-        sent: list[Future] = []
-        packing = 0.0
         try:
             total = 0
             for w in writes:
                 pool = latent_of(w.layers.start) if w.kind == "latent" else index_of(w.layers.start)
                 total += len(w.layers) * w.num_rows * pool.shape[1] * pool.element_size()
             staging = self._staging(total)
-            offset = ranges = 0
+            per_peer: dict[str, tuple[list, list, list]] = {}
+            offset = 0
             for w in writes:
-                t = time.perf_counter()
                 ep = dest.ranks[w.dst_rank]
                 src_rows = torch.as_tensor(w.src_rows, dtype=torch.long)
-                srcs, dsts, lens = [], [], []
+                srcs, dsts, lens = per_peer.setdefault(ep.session, ([], [], []))
                 for layer in w.layers:
                     pool = latent_of(layer) if w.kind == "latent" else index_of(layer)
                     end = staging.gather(offset, pool, src_rows)
+                    nbytes = end - offset
                     srcs.append(staging.ptr + offset)
                     dsts.append(ep.latent_addr(layer, w.dst_row_start) if w.kind == "latent"
                                 else ep.index_addr(layer, w.dst_row_start))
-                    lens.append(end - offset)
-                    offset = end
-                packing += time.perf_counter() - t
-                sent.append(self._writer.submit(self.transport.write_batch, ep.session, srcs, dsts, lens))
-                ranges += len(srcs)
-            for f in sent:
-                f.result()
-            return {"ok": True, "bytes": offset, "seconds": time.perf_counter() - t0, "pack_seconds": packing,
-                    "writes": ranges}
+                    lens.append(nbytes)
+                    offset += nbytes
+            for session, (srcs, dsts, lens) in per_peer.items():
+                self.transport.write_batch(session, srcs, dsts, lens)
+            return {"ok": True, "bytes": offset, "seconds": time.perf_counter() - t0, "writes": sum(
+                len(v[0]) for v in per_peer.values())}
         except KVTransferError as e:
             return {"ok": False, "peer": getattr(e, "peer", None), "error": str(e),
                     "seconds": time.perf_counter() - t0}
-        finally:  # no write of this push may still be in flight when it returns (fencing, staging reuse)
-            for f in sent:
-                f.exception()
 
     @staticmethod
     def merge(results: list[dict]) -> dict:
@@ -94,7 +78,6 @@ class KVSender:
                 "seconds": sum(r["seconds"] for r in results)}
 
     def close(self) -> None:
-        self._writer.shutdown(wait=True)
         if self.staging is not None:
             self.staging.close()
         self.transport.close()
