@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import collections
 import ipaddress
 import json
 import os
@@ -80,6 +81,7 @@ __all__ = [
     "KVTransport",
     "MooncakeTransport",
     "StagingBuffer",
+    "WriteStream",
 ]
 
 PROTOCOLS = ("tcp", "rdma")
@@ -93,6 +95,8 @@ _INSTALL_HINT = (
 
 
 MAX_RANGES_PER_BATCH = 1024
+# Ranges in flight to one peer at once (Mooncake's TCP queue holds ~2048; see `WriteStream`).
+MAX_OUTSTANDING_RANGES = 1536
 
 
 class TransportUnavailableError(KVTransferError):
@@ -262,32 +266,25 @@ class MooncakeTransport(KVTransport):
         self._open_engine()
         if not lengths:
             return
-        with self._lock:
-            for src, length in zip(src_ptrs, lengths):
-                if length <= 0:
-                    raise ValueError(f"every length must be positive, got {length}")
-                if not self._is_registered(src, length):
-                    raise TransferError(
-                        peer_session,
-                        f"source range [{src:#x}, +{length}) is not inside memory registered "
-                        f"with this engine ({self._session})")
+        stream = self.stream(peer_session)  # never flushes early: one synchronous write
+        for src, length in zip(src_ptrs, lengths):  # all checked before any is written
+            stream.check(src, length)
+        for src, dst, length in zip(src_ptrs, dst_ptrs, lengths):
+            stream.queue(src, dst, length)
+        stream.finish()
+
+    def stream(self, peer_session: str, flush_bytes: int | None = None) -> WriteStream:
+        """Ranges to ``peer_session`` that go on the wire while the caller adds more (see
+        `WriteStream`); ``flush_bytes=None``: nothing goes before `WriteStream.finish`."""
+        return WriteStream(self, peer_session, flush_bytes)
+
+    def _write_sync(self, peer_session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
         engine = self._open_engine()
-        if faults().write_fails():  # injected (stress tests): half the ranges land, then a failure
-            half = len(lengths) // 2
-            if half:
-                engine.batch_transfer_sync_write(peer_session, src_ptrs[:half], dst_ptrs[:half], lengths[:half])
-            raise TransferError(peer_session, f"injected write failure ({len(lengths)} ranges, {half} written)")
-        # Mooncake's TCP transport refuses (rc -1) batches over ~2048 ranges to one peer
-        # (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER), so long batches go in slices.
-        for i in range(0, len(lengths), MAX_RANGES_PER_BATCH):
+        for i in range(0, len(lens), MAX_RANGES_PER_BATCH):
             part = slice(i, i + MAX_RANGES_PER_BATCH)
-            rc = engine.batch_transfer_sync_write(peer_session, src_ptrs[part], dst_ptrs[part], lengths[part])
+            rc = engine.batch_transfer_sync_write(peer_session, srcs[part], dsts[part], lens[part])
             if rc < 0:
-                raise TransferError(
-                    peer_session,
-                    f"write of {len(lengths[part])} range(s), {sum(lengths[part])} bytes, returned {rc}: the "
-                    "peer is unreachable, gone or not responding, or a destination range lies "
-                    "outside its registered memory (Mooncake's log names which)")
+                raise _write_error(peer_session, lens[part], rc)
 
     def close(self) -> None:
         with self._lock:
@@ -313,6 +310,131 @@ class MooncakeTransport(KVTransport):
             return False
         start = self._starts[i]
         return ptr + nbytes <= start + self._sizes[start]
+
+
+def _write_error(peer_session: str, lens: list[int], rc: int) -> TransferError:
+    return TransferError(
+        peer_session,
+        f"write of {len(lens)} range(s), {sum(lens)} bytes, returned {rc}: the peer is unreachable, gone or "
+        "not responding, or a destination range lies outside its registered memory (Mooncake's log names which)")
+
+
+class WriteStream:
+    """Ranges to one peer that go on the wire while the caller is still adding (packing) more.
+
+    `add` queues a range; once ``flush_bytes`` have queued they are submitted as an asynchronous
+    batch (Mooncake's ``batch_transfer_async_write``) and `add` returns at once, so the next
+    rows pack while these move. `finish` submits the rest and returns when every range has
+    landed, or raises `TransferError` once every submitted batch has ended (landed or failed):
+    the caller may reuse its source memory after `finish` or `abort`, never before.
+    A stream that never flushed writes synchronously in `finish` (as `write_batch` does).
+
+    At most ``MAX_OUTSTANDING_RANGES`` ranges are in flight to the peer: Mooncake's TCP
+    transport rejects more than ~2048 queued transfers to one peer, and a rejected batch
+    stalls the next ~30 s of writes to it. A batch that fails stops further submissions; the
+    rest of the stream's ranges are dropped (the whole write has failed anyway).
+
+    Injected faults (engine/faults.py) are decided once per stream, as they were once per
+    batch: such a stream writes the first half of every batch it would send, then fails.
+    """
+
+    def __init__(self, transport: MooncakeTransport, peer_session: str, flush_bytes: int | None):
+        self.transport, self.peer = transport, peer_session
+        self.flush_bytes = flush_bytes
+        self.ranges = 0
+        self._pending: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._pending_bytes = 0
+        self._inflight: collections.deque[tuple[int, list[int]]] = collections.deque()
+        self._outstanding = 0
+        self._submitted = False
+        self._error: TransferError | None = None
+        self._injected = faults().write_fails()
+        self._written = 0
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def check(self, src: int, length: int) -> None:
+        if length <= 0:
+            raise ValueError(f"every length must be positive, got {length}")
+        with self.transport._lock:
+            if not self.transport._is_registered(src, length):
+                raise TransferError(
+                    self.peer, f"source range [{src:#x}, +{length}) is not inside memory registered "
+                               f"with this engine ({self.transport.session_name})")
+
+    def add(self, src: int, dst: int, length: int) -> None:
+        """Queue one range (its source checked first); may submit what is queued."""
+        self.check(src, length)
+        self.queue(src, dst, length)
+
+    def queue(self, src: int, dst: int, length: int) -> None:
+        """`add` without the source check (the caller has checked)."""
+        self.ranges += 1
+        if self._error is not None:
+            return
+        srcs, dsts, lens = self._pending
+        srcs.append(src)
+        dsts.append(dst)
+        lens.append(length)
+        self._pending_bytes += length
+        if self.flush_bytes is not None and self._pending_bytes >= self.flush_bytes:
+            self._submit()
+
+    def _take(self) -> tuple[list[int], list[int], list[int]]:
+        srcs, dsts, lens = self._pending
+        self._pending, self._pending_bytes = ([], [], []), 0
+        if self._injected:  # half of every batch lands, then the stream fails
+            half = len(lens) // 2
+            srcs, dsts, lens = srcs[:half], dsts[:half], lens[:half]
+        self._written += len(lens)
+        return srcs, dsts, lens
+
+    def _submit(self) -> None:
+        srcs, dsts, lens = self._take()
+        engine = self.transport._open_engine()
+        self._submitted = True
+        for i in range(0, len(lens), MAX_RANGES_PER_BATCH):
+            part = slice(i, i + MAX_RANGES_PER_BATCH)
+            n = len(lens[part])
+            while self._inflight and self._outstanding + n > MAX_OUTSTANDING_RANGES:
+                self._wait_oldest()
+            if self._error is not None:
+                return
+            batch = engine.batch_transfer_async_write(self.peer, srcs[part], dsts[part], lens[part])
+            if batch <= 0:  # the submission itself failed (peer unknown, queue full)
+                self._error = _write_error(self.peer, lens[part], batch)
+                return
+            self._inflight.append((batch, lens[part]))
+            self._outstanding += n
+
+    def _wait_oldest(self) -> None:
+        batch, lens = self._inflight.popleft()
+        self._outstanding -= len(lens)
+        rc = self.transport._open_engine().get_batch_transfer_status([batch])
+        if rc < 0 and self._error is None:
+            self._error = _write_error(self.peer, lens, rc)
+
+    def finish(self) -> None:
+        """Write what is queued and wait for every batch; raises the stream's first failure."""
+        try:
+            if self._error is None and self._pending[2]:
+                if self._submitted:
+                    self._submit()
+                else:
+                    self.transport._write_sync(self.peer, *self._take())
+        finally:
+            self.abort()
+        if self._error is not None:
+            raise self._error
+        if self._injected:
+            raise TransferError(self.peer, f"injected write failure ({self.ranges} ranges, {self._written} written)")
+
+    def abort(self) -> None:
+        """Wait until no batch of this stream is in flight (their failures are kept, not raised)."""
+        while self._inflight:
+            self._wait_oldest()
 
 
 def _has_rdma_device(engine) -> bool:

@@ -377,6 +377,15 @@ def test_staging_buffer_gathers_rows_in_order_at_any_offset():
             buffer.gather(120, pool, rows)
 
 
+def _digest_after(ranges, peer, source) -> str:
+    """The digest of the peer's zeroed buffer once every (source offset, peer offset, length)
+    range has been copied into it, in order."""
+    expected = torch.zeros(peer.nbytes, dtype=torch.uint8)
+    for s_, d, k in ranges:
+        expected[d:d + k] = source.tensor[s_:s_ + k]
+    return _digest(expected)
+
+
 @needs_mooncake
 def test_a_batch_longer_than_mooncakes_per_peer_queue_lands_exactly(transport, source, peer_factory):
     """Mooncake's TCP transport refuses one batch of more than ~2048 ranges to a peer; the
@@ -386,7 +395,39 @@ def test_a_batch_longer_than_mooncakes_per_peer_queue_lands_exactly(transport, s
     ranges = [(i * 997 % (60 * MiB), i * 256, 200) for i in range(n)]
     transport.write_batch(peer.session, [source.ptr + s for s, _, _ in ranges],
                           [peer.ptr + d for _, d, _ in ranges], [k for _, _, k in ranges])
-    expected = torch.zeros(peer.nbytes, dtype=torch.uint8)
+    assert peer.digest() == _digest_after(ranges, peer, source)
+
+
+@needs_mooncake
+def test_a_stream_lands_every_range_while_more_are_added(transport, source, peer_factory):
+    """`WriteStream` submits batches as ranges are added (more ranges in all than Mooncake's
+    per-peer queue holds, so it must wait for old batches before submitting new ones) and
+    `finish` returns once all have landed."""
+    from kvtransfer.transport import MAX_OUTSTANDING_RANGES
+
+    peer = peer_factory(1 * MiB)
+    n = 2 * MAX_OUTSTANDING_RANGES + 700
+    ranges = [(i * 991 % (60 * MiB), i * 256, 200) for i in range(n)]
+    stream = transport.stream(peer.session, flush_bytes=300 * 200)
     for s_, d, k in ranges:
-        expected[d:d + k] = source.tensor[s_:s_ + k]
-    assert peer.digest() == _digest(expected)
+        stream.add(source.ptr + s_, peer.ptr + d, k)
+    stream.finish()
+    assert stream.ranges == n
+    assert peer.digest() == _digest_after(ranges, peer, source)
+
+
+@needs_mooncake
+def test_a_stream_with_a_failed_batch_raises_once_nothing_is_in_flight(transport, source, peer_factory):
+    """A batch outside the peer's memory fails; the stream stops submitting, waits for what
+    it had sent and raises, naming the peer."""
+    peer = peer_factory(1 * MiB)
+    stream = transport.stream(peer.session, flush_bytes=4096)
+    for i in range(4):
+        stream.add(source.ptr + i * 4096, peer.ptr + i * 4096, 4096)
+    stream.add(source.ptr, peer.ptr + 2 * MiB, 4096)  # past the peer's buffer
+    for i in range(4):
+        stream.add(source.ptr + i * 4096, peer.ptr + i * 4096, 4096)
+    with pytest.raises(TransferError) as info:
+        stream.finish()
+    assert peer.session in str(info.value)
+    assert not stream._inflight and stream.failed
