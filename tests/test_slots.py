@@ -157,3 +157,21 @@ def test_allocator_conserves_pages_with_shared_holders(num_pages, ops):
     for pages in holds:
         alloc.free(pages)
     assert alloc.num_free == num_pages
+
+
+def test_pages_freed_together_come_back_as_one_ascending_run():
+    """Two requests that grew a page at a time side by side hold interleaved pages; once both
+    are freed, the next request gets them back as one ascending run (lowest first), so its
+    KV hand-off is one range per layer, not one per page."""
+    alloc = PageAllocator(16)
+    head = alloc.allocate(2)
+    a, b = [], []
+    for _ in range(5):
+        a += alloc.allocate(1)
+        b += alloc.allocate(1)
+    assert a == [2, 4, 6, 8, 10] and b == [3, 5, 7, 9, 11]
+    alloc.free(a)
+    alloc.free(b)
+    assert alloc.allocate(10) == list(range(2, 12))
+    alloc.free(head)
+    assert alloc.allocate(3) == [0, 1, 12]

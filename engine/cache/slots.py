@@ -20,7 +20,7 @@ from the same page table); the cost is one integer division per token.
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from typing import Iterable, Sequence
 
 import torch
@@ -81,6 +81,11 @@ def local_rows(
 class PageAllocator:
     """Free list of the group's virtual pages ``0 .. num_pages - 1``, with reference counts.
 
+    The lowest free pages go first (address-ordered): pages freed together are handed out
+    together again, so a request's pages stay in long ascending runs even after many
+    requests have come and gone — and each run is one range of the KV hand-off, not one per
+    page (a FIFO list interleaves the pages of requests that grew side by side).
+
     Invariant: every page is either free or allocated, never both, so
     ``num_free + num_allocated == num_pages``. A page may have several holders (forks of one
     prompt share its full pages: ``share``); it is free again when its last holder frees it.
@@ -92,7 +97,7 @@ class PageAllocator:
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: list[int] = list(range(num_pages))  # a heap (sorted is a valid heap)
         self._refs: dict[int, int] = {}  # allocated page -> holders
 
     @property
@@ -115,7 +120,7 @@ class PageAllocator:
             raise ValueError(
                 f"cannot allocate {n_pages} pages: {len(self._free)} of {self.num_pages} free"
             )
-        pages = [self._free.popleft() for _ in range(n_pages)]
+        pages = [heapq.heappop(self._free) for _ in range(n_pages)]
         self._refs.update((p, 1) for p in pages)
         return pages
 
@@ -134,7 +139,7 @@ class PageAllocator:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 del self._refs[p]
-                self._free.append(p)
+                heapq.heappush(self._free, p)
 
     def _check_held(self, pages: Iterable[int]) -> list[int]:
         pages = list(pages)
