@@ -23,16 +23,20 @@ prefill ranks send from two threads at once (Mooncake and torch's gather release
 - Decode pools ``latent[78, rows, 576]`` per rank and the index pool (copied: ``[21, Cd*rows,
   132]`` per rank, split: ``[21, rows, 132]``), registered with the decode rank's engine.
   Reserved rows come from a page table of ``--page-size`` virtual pages: ``contiguous`` (a fresh
-  pool, one run per destination) or ``shuffled`` (a fragmented pool: runs break at every page).
+  pool, one run per destination), ``churned`` (what the serving path's `PageAllocator` hands a
+  request after 2,000 steps of other requests arriving, growing side by side and finishing:
+  `churned_pages`) or ``shuffled`` (the worst case, a random permutation: runs break at every
+  page, whatever the allocator).
 
-What one sending rank does (the timed "total", per variant): ``plan_transfer`` +
-``writes_by_rank`` (every rank computes the same pure plan and keeps its part); **pack**: for
-each `Write`, gather ``pool[layers, src_rows]`` into its `StagingBuffer` (layer after layer,
-contiguous); **transfer**: ``write_batch`` per destination rank with one range per (layer,
-run), in batches of at most ``MAX_RANGES_PER_BATCH`` ranges (see there). Total = wall time from
-the start of both sender threads until both return. After the first repeat of each variant the
-decode pools are compared with the prefill pools (every latent entry and index key at its
-reserved row; "verified").
+What one sending rank does (the timed "total", per variant) is the serving path's own code:
+``plan_transfer`` + ``writes_by_rank`` (every rank computes the same pure plan and keeps its
+part), then `KVSender.push` (kvtransfer/push.py) to the decode ranks' `RankEndpoint`s — for each
+`Write`, gather its rows of each layer into the sender's `StagingBuffer` and queue them on
+that destination's `WriteStream`, which submits a few asynchronous batches per destination, so
+the next rows pack while the last ones are on the wire. "pack" is the time spent gathering, "transfer" the rest of the push (the wait for the
+writes beyond it). Total = wall time from the start of both sender threads until both return.
+After the first repeat of each variant the decode pools are compared with the prefill pools
+(every latent entry and index key at its reserved row; "verified").
 
 Baselines in the same run, same byte count B: (a) one ``write_batch`` of a single B-byte range
 between two registered buffers (prefill engine 0 -> decode engine 0); (b) ``dst.copy_(src)`` of
@@ -67,16 +71,17 @@ import os
 import random
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
 from common import base_parser, emit_json, print_table, save_plot
 from engine.cache.kvformat import KVFormat
-from engine.cache.slots import pages_needed, token_slots
+from engine.cache.slots import PageAllocator, pages_needed, token_slots
 from engine.parallel.layout import layer_owner_ranges
 from engine.parallel.transfer_plan import plan_bytes, plan_transfer, writes_by_rank
+from engine.handoff import KvDestination, RankEndpoint
+from kvtransfer.push import KVSender
 from kvtransfer.transport import MooncakeTransport, StagingBuffer
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # as in the tests' loopback namespace
@@ -88,10 +93,6 @@ INDEX_BYTES = KVFormat("fp8", **GLM).index_bytes
 INDEXER_LAYERS = tuple(i * NUM_LAYERS // 21 for i in range(21))
 PREFILL_CP = 2
 DECODE_DCP = 2
-# Mooncake's TCP transport queues at most ~2048 transfers per peer
-# (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER) and REJECTS a larger batch (returns -1, logs "TCP lane
-# queue-full rejection"); the next ~1 s of writes to that peer fail too. So batches are cut.
-MAX_RANGES_PER_BATCH = 1024
 
 
 @dataclass
@@ -103,12 +104,11 @@ class SenderPools:
     index: torch.Tensor
     layers: range
 
-    def slice(self, kind: str, layers: range) -> torch.Tensor:
-        if kind == "latent":
-            return self.latent[layers.start - self.layers.start:layers.stop - self.layers.start]
-        held = [l for l in INDEXER_LAYERS if l in self.layers]
-        first = held.index(layers.start)
-        return self.index[first:first + len(layers)]
+    def latent_of(self, layer: int) -> torch.Tensor:
+        return self.latent[layer - self.layers.start]
+
+    def index_of(self, layer: int) -> torch.Tensor:
+        return self.index[[l for l in INDEXER_LAYERS if l in self.layers].index(layer)]
 
 
 class DecodeRank:
@@ -122,12 +122,12 @@ class DecodeRank:
         for t in (self.latent, self.index):
             transport.register(t.data_ptr(), t.numel())
 
-    def address(self, kind: str, layer: int, row: int) -> int:
-        if kind == "latent":
-            pool, slot = self.latent, layer
-        else:
-            pool, slot = self.index, INDEXER_LAYERS.index(layer)
-        return pool.data_ptr() + (slot * pool.shape[1] + row) * pool.shape[2]
+    def endpoint(self) -> RankEndpoint:
+        """What a `KvDestination` tells a sender about this rank's pools."""
+        index_rows = self.index.shape[1]
+        return RankEndpoint(self.transport.session_name, self.latent.data_ptr(), self.latent.shape[1], LATENT_BYTES,
+                            {l: self.index[k].data_ptr() for k, l in enumerate(INDEXER_LAYERS)}, index_rows,
+                            INDEX_BYTES)
 
     def clear(self) -> None:
         self.latent.zero_()
@@ -138,38 +138,19 @@ class DecodeRank:
             self.transport.unregister(t.data_ptr())
 
 
-def send(rank: int, plan_args: dict, pools: SenderPools, stage: StagingBuffer,
-         transport: MooncakeTransport, decode: list[DecodeRank], times: dict) -> None:
-    """One prefill rank's part of the hand-off: plan, pack, transfer (timed separately)."""
+def send(rank: int, plan_args: dict, pools: SenderPools, sender: KVSender, decode: list[DecodeRank],
+         times: dict) -> None:
+    """One prefill rank's part of the hand-off: plan, then the serving path's push."""
     t0 = time.perf_counter()
     writes = writes_by_rank(plan_transfer(**plan_args)).get(rank, [])
     t1 = time.perf_counter()
-    batches: dict[int, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
-    index_cache: dict[int, torch.Tensor] = {}
-    offset = 0
-    for w in writes:
-        width = LATENT_BYTES if w.kind == "latent" else INDEX_BYTES
-        rows = index_cache.get(id(w.src_rows))
-        if rows is None:
-            rows = index_cache[id(w.src_rows)] = torch.tensor(w.src_rows, dtype=torch.long)
-        run_bytes = w.num_rows * width
-        out = stage.view(offset, run_bytes * len(w.layers)).view(len(w.layers), w.num_rows, width)
-        torch.index_select(pools.slice(w.kind, w.layers), 1, rows, out=out)
-        srcs, dsts, lengths = batches[w.dst_rank]
-        for k, layer in enumerate(w.layers):
-            srcs.append(stage.ptr + offset + k * run_bytes)
-            dsts.append(decode[w.dst_rank].address(w.kind, layer, w.dst_row_start))
-            lengths.append(run_bytes)
-        offset += run_bytes * len(w.layers)
-    t2 = time.perf_counter()
-    for d, (srcs, dsts, lengths) in sorted(batches.items()):
-        for i in range(0, len(srcs), MAX_RANGES_PER_BATCH):
-            chunk = slice(i, i + MAX_RANGES_PER_BATCH)
-            transport.write_batch(decode[d].transport.session_name, srcs[chunk], dsts[chunk],
-                                  lengths[chunk])
-    t3 = time.perf_counter()
-    times[rank] = dict(plan=t1 - t0, pack=t2 - t1, transfer=t3 - t2,
-                       ranges=sum(len(b[0]) for b in batches.values()))
+    dest = KvDestination("bench", DECODE_DCP, 1, plan_args["decode_index"], (), 0,
+                         tuple(d.endpoint() for d in decode), {}, 0.0)
+    result = sender.push(writes, dest, pools.latent_of, pools.index_of)
+    if not result["ok"]:
+        raise RuntimeError(f"prefill rank {rank}: {result['error']}")
+    times[rank] = dict(plan=t1 - t0, pack=result["pack_seconds"], transfer=result["seconds"] - result["pack_seconds"],
+                       ranges=result["writes"])
 
 
 def verify(plan_args: dict, latent: torch.Tensor, index: torch.Tensor,
@@ -204,12 +185,11 @@ def sender_pools(layer_split: bool, latent: torch.Tensor, index: torch.Tensor) -
     return pools
 
 
-def run_once(plan_args: dict, pools: list[SenderPools], prefill: list[MooncakeTransport],
-             stages: list[StagingBuffer], decode: list[DecodeRank]) -> dict:
+def run_once(plan_args: dict, pools: list[SenderPools], senders: list[KVSender],
+             decode: list[DecodeRank]) -> dict:
     """Both prefill ranks send at once (one thread each); returns the timings."""
     times: dict[int, dict] = {}
-    threads = [threading.Thread(target=send, args=(r, plan_args, pools[r], stages[r], prefill[r],
-                                                   decode, times))
+    threads = [threading.Thread(target=send, args=(r, plan_args, pools[r], senders[r], decode, times))
                for r in range(PREFILL_CP)]
     start = time.perf_counter()
     for t in threads:
@@ -250,14 +230,37 @@ def fill_random(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return t
 
 
+def churned_pages(num_pages: int, seed: int) -> list[int]:
+    """The page table the serving path's allocator (`PageAllocator`) gives a request of
+    ``num_pages`` pages after churn: on a pool of twice that, requests arrive with prompts of
+    1 to num_pages / 8 pages, grow a page at a time side by side (decode rows on demand) and
+    finish at random for 2,000 steps; then requests finish until the new one fits."""
+    rng = random.Random(seed + 1)
+    alloc = PageAllocator(2 * num_pages)
+    running: list[list[int]] = []
+    for _ in range(2000):
+        n = rng.randint(1, max(1, num_pages // 8))
+        if rng.random() < 0.3 and alloc.can_allocate(n):
+            running.append(alloc.allocate(n))
+        for pages in running:
+            if rng.random() < 0.5 and alloc.can_allocate(1):
+                pages += alloc.allocate(1)
+        for pages in [r for r in running if rng.random() < 0.05]:
+            running.remove(pages)
+            alloc.free(pages)
+    while not alloc.can_allocate(num_pages):
+        alloc.free(running.pop(rng.randrange(len(running))))
+    return alloc.allocate(num_pages)
+
+
 def measure(num_tokens: int, index_mode: str, page_size: int, repeats: int, seed: int,
-            prefill: list[MooncakeTransport], decode_engines: list[MooncakeTransport]) -> dict:
+            senders: list[KVSender], decode_engines: list[MooncakeTransport]) -> dict:
     generator = torch.Generator().manual_seed(seed)
     src_slots = token_slots(range(num_tokens), num_tokens, 1, 1)
     num_pages = pages_needed(num_tokens, page_size, DECODE_DCP)
     shuffled = list(range(num_pages))
     random.Random(seed).shuffle(shuffled)
-    tables = {"contiguous": list(range(num_pages)), "shuffled": shuffled}
+    tables = {"contiguous": list(range(num_pages)), "churned": churned_pages(num_pages, seed), "shuffled": shuffled}
 
     base_args = dict(num_tokens=num_tokens, prefill_cp=PREFILL_CP, num_layers=NUM_LAYERS,
                      indexer_layers=INDEXER_LAYERS, src_slots=src_slots, decode_dcp=DECODE_DCP,
@@ -270,21 +273,20 @@ def measure(num_tokens: int, index_mode: str, page_size: int, repeats: int, seed
         DECODE_DCP if index_mode == "copied" else 1)
     result = dict(tokens=num_tokens, bytes=total_bytes, bytes_per_token=total_bytes / num_tokens,
                   bytes_per_token_formula=per_token,
-                  **baselines(total_bytes, repeats, prefill[0], decode_engines[0]))
+                  **baselines(total_bytes, repeats, senders[0].transport, decode_engines[0]))
     gc.collect()
 
     latent = fill_random(torch.empty(NUM_LAYERS, num_tokens, LATENT_BYTES, dtype=torch.uint8),
                          generator)
     index = fill_random(torch.empty(len(INDEXER_LAYERS), num_tokens, INDEX_BYTES,
                                     dtype=torch.uint8), generator)
-    rows = num_pages * page_size
+    rows = (max(max(t) for t in tables.values()) + 1) * page_size
     decode = [DecodeRank(t, rows, rows * DECODE_DCP if index_mode == "copied" else rows)
               for t in decode_engines]
     stage_bytes = [plan_bytes(ws, LATENT_BYTES, INDEX_BYTES)
                    for _, ws in sorted(writes_by_rank(probe).items())]
-    stages = [StagingBuffer(t, n) for t, n in zip(prefill, stage_bytes)]
-    for s in stages:
-        s.tensor.zero_()
+    for sender, n in zip(senders, stage_bytes):
+        sender.prepare(n)
     variants = {f"{'layer split' if split else 'full copy'}, {pages} pages":
                 (sender_pools(split, latent, index),
                  dict(base_args, layer_split=split,
@@ -296,7 +298,7 @@ def measure(num_tokens: int, index_mode: str, page_size: int, repeats: int, seed
                 if rep == 0:
                     for rank in decode:
                         rank.clear()
-                timing = run_once(args, pools, prefill, stages, decode)
+                timing = run_once(args, pools, senders, decode)
                 if rep == 0:
                     timing["verified"] = verify(args, latent, index, decode)
                     result[name] = timing
@@ -305,8 +307,6 @@ def measure(num_tokens: int, index_mode: str, page_size: int, repeats: int, seed
         for name in variants:  # rate against the one large write of the same bytes, same run
             result[name]["rate_vs_one_write"] = result["one_write"] / result[name]["total"]
     finally:
-        for s in stages:
-            s.close()
         for d in decode:
             d.close()
     return result
@@ -418,18 +418,18 @@ def main() -> None:
     started = time.perf_counter()
 
     load_before = os.getloadavg()
-    prefill = [MooncakeTransport("127.0.0.1") for _ in range(PREFILL_CP)]
+    senders = [KVSender("127.0.0.1") for _ in range(PREFILL_CP)]
     decode = [MooncakeTransport("127.0.0.1") for _ in range(DECODE_DCP)]
     results = []
     try:
         for n in tokens:
             t0 = time.perf_counter()
             results.append(measure(n, args.index, args.page_size, args.repeats, args.seed,
-                                   prefill, decode))
+                                   senders, decode))
             results[-1]["runtime_s"] = time.perf_counter() - t0
             gc.collect()
     finally:
-        for t in prefill + decode:
+        for t in senders + decode:
             t.close()
     load_after = os.getloadavg()
 
