@@ -7,6 +7,8 @@ service receives them from the prefill service through the KV-transfer layer ins
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from engine.cache.capacity import pages_in_budget, parse_bytes
@@ -73,7 +75,7 @@ class DCPDecodeEngine(Engine):
                  kv_transport: str | None = None, kv_host: str = "127.0.0.1", lease_s: float = 30.0,
                  write_lease_s: float = 60.0,
                  generation_config: str = "auto", moe_parallel: str = "ep", kv_cache_memory: int | str | None = None,
-                 kv_cache_dtype: str = "auto", pipelined: bool = False):
+                 kv_cache_dtype: str = "auto", pipelined: bool = False, lookahead: bool = True):
         from engine.model.config import ModelConfig
 
         self.model_dir = resolve_model_dir(model)
@@ -102,6 +104,10 @@ class DCPDecodeEngine(Engine):
         self.dcp, self.dtype, self.index_mode, self.page_size = dcp, dtype, indexer, page_size
         self.pipelined = pipelined
         self._stashed: list = []  # events of a step collected early by quiesced(), for the next step()
+        # decode steps submitted and not collected, oldest first: at most the one running and,
+        # with ``lookahead``, the next (Scheduler.lookahead_plan), queued on the ranks
+        self._plans: collections.deque = collections.deque()
+        self.lookahead = pipelined and lookahead
         self.reservations = ReservationTable(self.scheduler, lease_s, write_lease_s,
                                              lambda src, dst: self.quiesced("copy_slots", src, dst))
         self.endpoints = tuple(self.group.call("endpoint")) if kv_transport else ()
@@ -136,6 +142,10 @@ class DCPDecodeEngine(Engine):
         apply its tokens, submit the next step at once, and return the events, which the
         caller delivers while the ranks compute. So the ranks wait only for the driver's
         sampling and planning between steps, not for delivery, gRPC or queued commands.
+        With ``lookahead`` (the default) they do not wait for those either while every running
+        request is plain greedy: the step after the one in flight is planned and submitted
+        before the one in flight is collected (``Scheduler.lookahead_plan``; the ranks feed
+        their own argmax), so the next forward starts the moment the last one ends.
 
         The same plans in the same order as unpipelined: a step is planned after the previous
         one's tokens are applied, so tokens are unchanged. A request that finishes or is
@@ -144,28 +154,40 @@ class DCPDecodeEngine(Engine):
         self.reservations.expire()
         if not self.pipelined:
             return super().step()
+        if self.lookahead and len(self._plans) == 1:
+            ahead = self.scheduler.lookahead_plan(self._plans[0])
+            if ahead is not None:  # the ranks go on to it without waiting for this driver
+                self._submit(ahead)
         self._collect()
         events, self._stashed = self._stashed, []
+        if self._plans:  # the step planned ahead is running
+            return events
         plan = self.scheduler.next_plan()
         if plan is None:
             return events
         if not plan.is_decode:  # prompts prefilled by the reference (test engines): in step
             return events + self.scheduler.apply(self.runner.run(plan), self.runner.scores)
-        self.runner.submit(plan)
-        self.scheduler.in_flight = frozenset(it.req_id for it in plan.items)
+        self._submit(plan)
         return events
 
+    def _submit(self, plan) -> None:
+        self.runner.submit(plan)
+        self._plans.append(plan)
+        self.scheduler.in_flight = frozenset(it.req_id for p in self._plans for it in p.items)
+
     def _collect(self) -> None:
-        """Collect the step in flight, if any, and apply its tokens (their events wait in
-        ``_stashed`` for the next ``step``)."""
-        if self.group.pending:
+        """Collect the oldest step in flight, if any, and apply its tokens (their events wait
+        in ``_stashed`` for the next ``step``)."""
+        if self._plans:
+            self._plans.popleft()
             self._stashed += self.scheduler.apply(self.runner.collect())
-            self.scheduler.step_collected()
+            self.scheduler.step_collected(frozenset(it.req_id for p in self._plans for it in p.items))
 
     def quiesced(self, method: str, *args):
-        """A command to every rank between steps: the step in flight (pipelined) is collected
-        first, since the ranks take one call at a time."""
-        self._collect()
+        """A command to every rank between steps: the steps in flight (pipelined) are
+        collected first, since the ranks take one call at a time."""
+        while self._plans:
+            self._collect()
         return self.group.call(method, *args)
 
     @property

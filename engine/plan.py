@@ -31,6 +31,12 @@ class ChunkItem:
         return self.start + len(self.token_ids)
 
 
+# A DecodeItem's token_id when the step was planned before the previous one was collected
+# (DCPDecodeEngine's lookahead): each rank feeds the token it took as that request's argmax in
+# the previous step (all ranks take the same), so the step starts with no round trip.
+FROM_PREVIOUS = -1
+
+
 @dataclass(frozen=True)
 class DecodeItem:
     """The token at `position` of one request; slots cover positions [0, position].

@@ -25,7 +25,7 @@ from engine.cache.prefix import PrefixCache
 from engine.cache.slots import PageAllocator, pages_needed, token_slots
 from engine.model.config import ModelConfig
 from engine.model.sampler import InvalidRequest, SamplingParams, TokenLogprob, process_logits, sample, token_logprob
-from engine.plan import ChunkItem, DecodeItem, StepPlan
+from engine.plan import FROM_PREVIOUS, ChunkItem, DecodeItem, StepPlan
 from engine.runner import merge_scores
 
 MAX_FORKS = 256  # samples of one prompt decoded as forks (the router's n is at most 16)
@@ -240,9 +240,10 @@ class Scheduler:
                 self.prefix.release(seq.pages, seq.prefill_ids, prompt_done=not seq.is_prefilling)
             seq.pages = []
 
-    def step_collected(self) -> None:
-        """The step in flight is done: free the pages of requests that finished meanwhile."""
-        self.in_flight = frozenset()
+    def step_collected(self, still_in_flight: frozenset[int] = frozenset()) -> None:
+        """A step in flight is done: free the pages of requests that finished meanwhile, except
+        those in ``still_in_flight`` (a step planned ahead and still running: they wait for it)."""
+        self.in_flight = still_in_flight
         held, self._held = self._held, []
         for seq in held:
             self.release(seq)
@@ -311,6 +312,50 @@ class Scheduler:
             items.append(DecodeItem(seq.id, seq.all_ids[-1], p, self.slots(seq, p + 1), argmax=argmax))
             seq.num_computed = p + 1
         return StepPlan("decode", items)
+
+    def lookahead_plan(self, step: StepPlan) -> StepPlan | None:
+        """The decode step after ``step`` (submitted, its tokens not yet known), so that the
+        ranks start it the moment they finish ``step``: each request of ``step`` goes on at
+        the next position with the token the ranks took as its argmax (``FROM_PREVIOUS``); a
+        request that joined since goes with its last token. None where the step cannot be
+        planned before ``step``'s tokens are applied, and the next plan waits for them as
+        before: a running request is not plain greedy (its token is drawn here), has forks, or
+        needs a page that is not free (preemption decides then); requests are waiting. A
+        request whose ``step`` token is its last (max_new_tokens) is left out; one that stops
+        at an EOS there computes one step in vain, and its result is dropped (``apply``).
+        The same positions, slots and tokens as planning after ``apply``: tokens unchanged."""
+        if self.waiting or not step.is_decode:
+            return None
+        previous = {it.req_id: it for it in step.items}
+        items, pages_needed_now = [], 0
+        for seq in self.running:
+            it = previous.get(seq.id)
+            if seq.num_forks > 1 or (it is not None and not it.argmax):
+                return None
+            if it is None:  # joined after ``step`` was planned: its last token is known
+                p = len(seq.all_ids) - 1
+                if seq.num_computed != p:
+                    return None
+                argmax = seq.params.greedy and not seq.params.processed and seq.params.logprobs is None \
+                    and not self.record_logits
+                items.append((seq, p, seq.all_ids[-1], argmax))
+            else:
+                if len(seq.output_ids) + 1 >= seq.params.max_new_tokens:
+                    continue  # ``step`` gives its last token
+                if seq.num_computed != it.position + 1:
+                    return None
+                items.append((seq, it.position + 1, FROM_PREVIOUS, True))
+            pages_needed_now += max(0, self._pages_for(items[-1][1] + 1) - len(seq.pages))
+        if not items or not self.allocator.can_allocate(pages_needed_now):
+            return None
+        plan = []
+        for seq, p, token, argmax in items:
+            missing = self._pages_for(p + 1) - len(seq.pages)
+            if missing > 0:
+                seq.pages += self.allocator.allocate(missing)
+            plan.append(DecodeItem(seq.id, token, p, self.slots(seq, p + 1), argmax=argmax))
+            seq.num_computed = p + 1
+        return StepPlan("decode", plan)
 
     def apply(self, logits: dict[int, torch.Tensor], scores: dict[int, tuple] | None = None
               ) -> list[tuple[Sequence, int]]:

@@ -230,3 +230,43 @@ def test_slot_sync_sends_each_slot_once_and_rebuilds_the_full_lists():
     # a rank that has not seen the start of a list refuses the continuation
     with pytest.raises(RuntimeError, match="continues its slots"):
         SlotSync().expand(driver.wire(plan([(2, 594, moved[:594])])))
+
+
+@pytest.mark.timeout(300)
+def test_decode_steps_planned_ahead_give_the_reference_tokens():
+    """The pipelined engine plans each decode step before the last one's tokens are known (the
+    ranks feed their own argmax: ``FROM_PREVIOUS``), so the ranks never wait for the driver
+    between steps. Requests that end at different steps, one that joins mid-run and one that
+    samples (its token is drawn by the driver, so no step is planned ahead while it runs) give
+    the reference's tokens; steps were planned ahead, and every page comes back."""
+    ps = prompts()[:4]
+    params = [SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in (5, 17, 40)]
+    params.append(SamplingParams(max_new_tokens=12, temperature=0.8, seed=7, stop_token_ids=()))
+    ref = [run_alone(ReferenceEngine("tiny"), p, sp) for p, sp in zip(ps, params)]
+    with DCPDecodeEngine("tiny", dcp=2, pipelined=True) as eng:
+        planned = {"ahead": 0, "after": 0}
+        lookahead = eng.scheduler.lookahead_plan
+
+        def counted(step):
+            plan = lookahead(step)
+            planned["ahead" if plan is not None else "after"] += 1
+            return plan
+
+        eng.scheduler.lookahead_plan = counted
+        seqs = [eng.add_request(p, sp) for p, sp in zip(ps[:3], params[:3])]
+        for _ in range(12):
+            eng.step()
+        ahead_before = planned["ahead"]
+        seqs.append(eng.add_request(ps[3], params[3]))  # samples: the driver draws its tokens
+        while eng.has_work:
+            eng.step()
+        assert eng.allocator.num_free == eng.allocator.num_pages
+    assert [s.output_ids for s in seqs] == ref
+    assert ahead_before > 0 and planned["ahead"] > ahead_before + 5 and planned["after"] > 5
+
+
+def run_alone(engine, prompt, params):
+    seq = engine.add_request(prompt, params)
+    while engine.has_work:
+        engine.step()
+    return seq.output_ids

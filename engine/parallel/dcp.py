@@ -36,6 +36,7 @@ Cost: attention reads N/C rows per rank instead of N.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
 from engine.parallel.expert import decode_dispatch
 from engine.parallel.shard import WeightShard, weights_held
-from engine.plan import SlotSync, StepPlan
+from engine.plan import FROM_PREVIOUS, SlotSync, StepPlan
 from engine.runner import batch_inputs
 
 EXCHANGES = ("a2a", "ag_rs")
@@ -260,6 +261,7 @@ class DecodeRank:
         self.bytes_sent = {"q_all_gather": 0, "exchange": 0, "index_candidates": 0, "all_reduce": 0}
         self.trace: dict | None = None
         self.slots = SlotSync()  # each running request's slots, sent once (engine/plan.py)
+        self.last_tokens: dict[int, int] = {}  # the last step's argmax per request (FROM_PREVIOUS)
         self.gather = RowGatherer(fused_decode_attention(fmt, self.dtype, "cpu"), fmt)
         self.transport = None
         if kv_transport is not None:
@@ -319,6 +321,9 @@ class DecodeRank:
             raise ValueError("DCP ranks run decode steps only")
         t0 = time.perf_counter()
         plan = self.slots.expand(plan)
+        if any(it.token_id == FROM_PREVIOUS for it in plan.items):  # a step planned ahead (DCPDecodeEngine)
+            plan = StepPlan(plan.kind, [replace(it, token_id=self.last_tokens[it.req_id])
+                                        if it.token_id == FROM_PREVIOUS else it for it in plan.items])
         ids, pos, new_slots, _, kv_lens = batch_inputs(plan)
         views = [RequestView(torch.tensor([b]), pos[b : b + 1], kv) for b, kv in enumerate(kv_lens)]
         kv = DCPKV(self, torch.cat(new_slots), [it.slots for it in plan.items])
@@ -327,9 +332,12 @@ class DecodeRank:
                              all_reduce=self._all_reduce, trace=self.trace, moe=self.moe)
         logits = self.lm(batch)
         result = {}
+        # every rank takes the argmax of its logits (the same on every rank: each computes the
+        # whole model on the same merged attention), so that a step planned ahead can feed it
+        greedy = [b for b, it in enumerate(plan.items) if it.argmax]
+        tokens = dict(zip(greedy, logits[greedy].argmax(dim=1).tolist())) if greedy else {}
+        self.last_tokens = {plan.items[b].req_id: t for b, t in tokens.items()}
         if self.rank == 0:
-            greedy = [b for b, it in enumerate(plan.items) if it.argmax]
-            tokens = dict(zip(greedy, logits[greedy].argmax(dim=1).tolist())) if greedy else {}
             result = {it.req_id: tokens[b] if b in tokens else logits[b] for b, it in enumerate(plan.items)}
         return result, time.perf_counter() - t0
 

@@ -43,6 +43,7 @@ The three questions, for the group itself:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import datetime
@@ -69,6 +70,7 @@ _LOOPBACK = "127.0.0.1"
 # A directory: every rank runs its calls under cProfile and writes rank<r>-<pid>.prof there at exit.
 PROFILE_ENV = "CPSERVE_RANK_PROFILE"
 
+MAX_SUBMITTED = 2  # calls submitted ahead of collection (a decode step in flight + the next, planned ahead)
 _POLL_S = 0.2  # wait granularity: how late a deadline or a concurrent shutdown is noticed
 _DEATH_GRACE_S = 0.25  # after an exception report, how long to look for a dead rank to blame
 _KILL_GRACE_S = 1.0  # SIGTERM → SIGKILL
@@ -348,7 +350,7 @@ class WorkerGroup:
         self._start_timeout_s = start_timeout_s
         self._lock = threading.RLock()
         self._ready = False
-        self._pending: str | None = None  # what a submitted, uncollected call is (``submit``)
+        self._pending: collections.deque[str] = collections.deque()  # submitted, uncollected calls, oldest first
         self._failure: GroupError | None = None
         self._closed = False
         self._ranks = _Ranks()
@@ -435,31 +437,40 @@ class WorkerGroup:
     def submit(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Send ``method`` to every rank like ``call``, without waiting: ``collect()`` returns
         the answers. The driver works while the ranks compute (a decode step's bookkeeping and
-        delivery overlap the next forward). One submitted call at a time; ``call`` and
-        ``call_rank`` refuse to run until it is collected (the ranks answer in order)."""
+        delivery overlap the next forward). Up to ``MAX_SUBMITTED`` calls may be submitted
+        (a rank takes the next from its pipe as soon as it has answered the last: a decode
+        step planned ahead starts without a round trip); ``collect`` returns the oldest's
+        answers. ``call`` and ``call_rank`` refuse to run until every one is collected (the
+        ranks answer in order)."""
         with self._lock:
             self.ready()
-            self._check_no_pending()
+            if len(self._pending) >= MAX_SUBMITTED:
+                raise RuntimeError(f"worker group {self.name!r}: {len(self._pending)} calls submitted and not collected")
             message = dumps(("call", method, args, kwargs))
             what = f"call {method!r}"
             with self._interruptible(what):
                 for rank in range(self.world_size):
                     self._send(rank, message)
-            self._pending = what
+            self._pending.append(what)
 
     def collect(self) -> list:
         """The answers of the submitted call, in rank order (GroupError as ``call`` raises it)."""
         with self._lock:
-            if self._pending is None:
+            if not self._pending:
                 raise RuntimeError(f"worker group {self.name!r}: collect() without a submitted call")
-            what, self._pending = self._pending, None
+            what = self._pending.popleft()
             with self._interruptible(what):
                 return self._collect(range(self.world_size), deadline=None, what=what)
 
     @property
     def pending(self) -> bool:
         """A submitted call's answers are still to be collected."""
-        return self._pending is not None
+        return bool(self._pending)
+
+    @property
+    def submitted(self) -> int:
+        """How many submitted calls are still to be collected."""
+        return len(self._pending)
 
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on one rank only; the method must not use collectives."""
@@ -505,8 +516,8 @@ class WorkerGroup:
             raise GroupError(f"worker group {self.name!r} was shut down")
 
     def _check_no_pending(self) -> None:
-        if self._pending is not None:
-            raise RuntimeError(f"worker group {self.name!r}: {self._pending} was submitted and not collected")
+        if self._pending:
+            raise RuntimeError(f"worker group {self.name!r}: {self._pending[0]} was submitted and not collected")
 
     @contextlib.contextmanager
     def _interruptible(self, what: str):
