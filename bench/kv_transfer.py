@@ -441,7 +441,7 @@ def main() -> None:
          "x one write", "x memcpy", "verified"],
         table_rows(results))
     print("pack / transfer / plan: the slower sender's time (2 senders in parallel threads); "
-          "total: wall time of both; ranges: write_batch entries, both senders.")
+          "total: wall time of both; ranges: ranges written (one per write and layer), both senders.")
     print(f"machine: {os.cpu_count()} CPUs, 1-min load average {load_before[0]:.1f} before, "
           f"{load_after[0]:.1f} after (other work shares the CPUs; figures are best of "
           f"{args.repeats}, variants interleaved round robin). Full copy and layer split have the "

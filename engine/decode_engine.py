@@ -147,10 +147,11 @@ class DCPDecodeEngine(Engine):
         before the one in flight is collected (``Scheduler.lookahead_plan``; the ranks feed
         their own argmax), so the next forward starts the moment the last one ends.
 
-        The same plans in the same order as unpipelined: a step is planned after the previous
-        one's tokens are applied, so tokens are unchanged. A request that finishes or is
-        aborted while a step that includes it runs keeps its pages until that step is
-        collected (``Scheduler.in_flight``): the step still writes its next cache row."""
+        The same positions, slots and tokens as unpipelined (a step planned ahead feeds the
+        argmax the driver would have applied), so tokens are unchanged. A request that
+        finishes or is aborted while a step that includes it runs keeps its pages until every
+        step in flight that includes it is collected (``Scheduler.in_flight``): such a step
+        still writes its next cache row."""
         self.reservations.expire()
         if not self.pipelined:
             return super().step()

@@ -280,6 +280,8 @@ class MooncakeTransport(KVTransport):
 
     def _write_sync(self, peer_session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
         engine = self._open_engine()
+        # Mooncake's TCP transport refuses (rc -1) batches over ~2048 ranges to one peer
+        # (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER), so long batches go in slices.
         for i in range(0, len(lens), MAX_RANGES_PER_BATCH):
             part = slice(i, i + MAX_RANGES_PER_BATCH)
             rc = engine.batch_transfer_sync_write(peer_session, srcs[part], dsts[part], lens[part])

@@ -467,11 +467,6 @@ class WorkerGroup:
         """A submitted call's answers are still to be collected."""
         return bool(self._pending)
 
-    @property
-    def submitted(self) -> int:
-        """How many submitted calls are still to be collected."""
-        return len(self._pending)
-
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on one rank only; the method must not use collectives."""
         if not 0 <= rank < self.world_size:
