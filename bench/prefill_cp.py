@@ -406,7 +406,7 @@ def plot(fig_a: dict, fig_b: dict, fig_c: dict, fig_d: dict, out_dir: str) -> No
 
 def main() -> None:
     p = base_parser(__doc__)
-    p.add_argument("--lengths", default="4096,16384", help="prompt lengths for (b) (--quick: 2048,4096)")
+    p.add_argument("--lengths", default=None, help="prompt lengths for (b) (default 4096,16384; --quick 2048,4096)")
     p.add_argument("--strategies", default="zigzag,interleave", help="C=2 strategies for (b) (--quick: zigzag)")
     p.add_argument("--repeats", type=int, default=1, help="prefills per (length, engine); the fastest is reported")
     p.add_argument("--balance-tokens", type=int, default=131072)
@@ -415,7 +415,7 @@ def main() -> None:
     p.add_argument("--moe-repeats", type=int, default=4,
                    help="prefills per (length, moe_parallel) in (d), order alternated (--quick: 2)")
     args = p.parse_args()
-    lengths = [2048, 4096] if args.quick else [int(x) for x in args.lengths.split(",")]
+    lengths = [int(x) for x in (args.lengths or ("2048,4096" if args.quick else "4096,16384")).split(",")]
     strategies = ["zigzag"] if args.quick else [s for s in args.strategies.split(",") if s]
     t_start = time.perf_counter()
 
