@@ -7,8 +7,9 @@ What it does, all from fixed seeds:
    retrieval tasks) and trains a byte-level BPE tokenizer on it with the ``tokenizers`` library;
 2. builds transformers' ``DeepseekV3ForCausalLM`` (MLA, dense MLP) from :data:`MODEL` and
    trains it with AdamW, bf16 autocast over fp32 weights, in phases of growing sequence length
-   (:data:`PHASES`; random tokens repeated first, where copying is learnt, and kept in the mix
-   throughout), the loss the mean over text tokens plus the mean over answer tokens;
+   (:data:`PHASES`; random tokens repeated and random name–code pairs asked again first, where
+   copying and binding a value to its key are learnt, and kept in the mix throughout), the loss
+   the mean over text tokens plus the mean over answer tokens;
 3. writes the Hugging Face release folder (config.json with yarn rotary scaling past the
    training length, model.safetensors in fp32, generation_config.json, tokenizer.json and
    tokenizer_config.json with a chat template), a loss curve (docs/demo-training.png) and
@@ -52,22 +53,24 @@ MODEL = dict(
     v_head_dim=48, n_routed_experts=0, n_shared_experts=0, first_k_dense_replace=4, rope_interleave=True,
     tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2, initializer_range=0.02,
 )
-# Short rows first (cheap text and first retrieval), then long ones. The last phase's length is
-# the training length that yarn extends.
+# Short rows first (cheap text and first retrieval), then long ones.
 # (steps, sequence length, rows per step, data): first only random tokens repeated (the repeated
-# half can only be predicted by copying, so the copying circuit forms before retrieval needs it),
-# then everything, RANDOM_SHARE of it still random tokens repeated.
+# half can only be predicted by copying, so the copying circuit forms before retrieval needs it)
+# and random name–code pairs asked again (only the name says which code follows: the binding
+# key–value lookup needs), then everything, RANDOM_SHARE of it still those two.
 # Many small steps: the copying circuit forms after a number of updates, not of tokens.
+# The longest phase's length is the training length; from its first step on the model trains
+# with yarn (below).
 PHASES = [(500, 128, 16, "copy"), (1800, 256, 8, "all"), (300, 512, 4, "all"), (60, 2048, 1, "all"),
           (40, 4096, 1, "all")]
 LR, WARMUP, WEIGHT_DECAY = 1.5e-3, 100, 0.1
-# Yarn: the early phases train with default rotary; the last phase (the training length) trains
-# with yarn scaling by YARN_FACTOR over it, which the release config keeps, so positions up to
-# 8 × the training length reuse rotation angles the model has seen (the slow dimensions are
-# interpolated), and the last phase adapts the model to the changed frequencies.
+# Yarn: the phases before the training length train with default rotary; from the first phase at
+# the training length on, the model trains with yarn scaling by YARN_FACTOR over it, which the
+# release config keeps, so positions up to 8 × the training length reuse rotation angles the model
+# has seen (the slow dimensions are interpolated); those phases adapt it to the changed frequencies.
 YARN_FACTOR = 8.0
 TASK_SHARE = 0.5  # rows that start with a retrieval task (the rest: stories and chat)
-RANDOM_SHARE = 0.3  # "all" rows that are random tokens repeated (copying stays trained throughout)
+RANDOM_SHARE = 0.3  # "all" rows of random tokens repeated or name–code pairs (copying and binding stay trained)
 BF16 = True  # bf16 autocast: 2x faster than fp32 on this CPU, and copying forms as fast (pilot)
 
 
@@ -171,6 +174,32 @@ class Rows:
             mask += [0] * (len(s) + 2) + [1] * (len(s) - 1)
         return ids[: length + 1], mask[: length + 1]
 
+    def random_kv(self, length: int, rng: random.Random | None = None) -> tuple[list[int], list[int]]:
+        """Segments of name–code pairs (``NAME is DDDDD``, a few random tokens between them), then
+        the same names asked again in another order, each followed by its code: the first digit
+        of an asked code follows ``is`` as in every pair, so only the name before ``is`` says
+        which code comes (the binding key–value retrieval needs; copying the digits alone picks
+        any code). The mask marks the asked codes' digits."""
+        rng, ids, mask = rng or self.rng, [], []
+        names = [self.tok.token_to_id("Ġ" + n) for n in demo_text.NAMES]
+        # " is 54390" is the tokens "Ġis", "Ġ", then the digits, as in the tasks' text
+        is_ = [self.tok.token_to_id("Ġis"), self.tok.token_to_id("Ġ")]
+        digits = {d: self.tok.token_to_id(d) for d in "0123456789"}
+        filler = range(len(SPECIALS), VOCAB)
+        while len(ids) < length + 1:
+            pairs = [(n, [digits[d] for d in demo_text.number(rng)]) for n in rng.sample(names, rng.randint(2, 8))]
+            seg, m = [self.bos], [0]
+            for n, code in pairs:
+                gap = rng.sample(filler, rng.randint(0, 6))
+                seg += gap + [n, *is_] + code
+                m += [0] * (len(gap) + 8)
+            asked = rng.sample(pairs, rng.randint(1, len(pairs)))
+            for n, code in asked:
+                seg += [n, *is_] + code
+                m += [0, 0, 0] + [1] * 5
+            ids, mask = ids + seg, mask + m
+        return ids[: length + 1], mask[: length + 1]
+
     def row(self, length: int) -> tuple[list[int], list[int]]:
         """Random tokens repeated (:data:`RANDOM_SHARE` of the rows), or else: a retrieval task
         filling most of the row (half the rows), then shorter tasks, words
@@ -179,7 +208,7 @@ class Rows:
         number's digits; a chat answer is text."""
         rng = self.rng
         if rng.random() < RANDOM_SHARE:
-            return self.random_repeat(length)
+            return (self.random_repeat if rng.random() < 0.5 else self.random_kv)(length)
         ids, mask = self.task(int(length * (0.1 + 0.85 * rng.random() ** 0.5))) if rng.random() < TASK_SHARE \
             else ([], [])
         while len(ids) < length + 1:
@@ -201,7 +230,9 @@ class Rows:
     def batch(self, length: int, rows: int, data: str = "all"):
         import torch
 
-        pairs = [(self.random_repeat if data == "copy" else self.row)(length) for _ in range(rows)]
+        rng = self.rng
+        pairs = [((self.random_repeat if rng.random() < 0.5 else self.random_kv) if data == "copy" else self.row)(length)
+                 for _ in range(rows)]
         ids = torch.tensor([p[0] for p in pairs])
         mask = torch.tensor([p[1] for p in pairs], dtype=torch.bool)
         return ids[:, :-1], ids[:, 1:], mask[:, 1:]
@@ -252,7 +283,7 @@ def probe(model, rows: Rows, length: int, n: int, rng: random.Random) -> float:
     """Greedy pass-key / key–value accuracy on ``n`` fresh tasks of about ``length`` tokens."""
     import torch
 
-    right = 0
+    right = {"passkey": 0, "kv": 0}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=BF16):
         pairs = [rows.random_repeat(256, rng) for _ in range(8)]
         ids = torch.tensor([p[0] for p in pairs])
@@ -268,9 +299,10 @@ def probe(model, rows: Rows, length: int, n: int, rng: random.Random) -> float:
                     break
                 ids.append(nxt)
             answer = rows.tok.decode(ids[-12:]).split("\n")[-1]
-            right += demo_text.is_right(t, answer)
-    print(f"\nprobe: copy accuracy {copied:.3f}; at {length} tokens: {right}/{n} right; last: {answer!r} for {t.answer!r}", flush=True)
-    return right / n
+            right[t.kind] += demo_text.is_right(t, answer)
+    print(f"\nprobe: copy accuracy {copied:.3f}; at {length} tokens: pass key {right['passkey']}/{(n + 1) // 2}, "
+          f"key-value {right['kv']}/{n // 2} right; last: {answer!r} for {t.answer!r}", flush=True)
+    return sum(right.values()) / n
 
 
 def sha256(path: Path) -> str:
@@ -289,8 +321,13 @@ def plot(log: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     steps = [r["step"] for r in log]
-    ax.plot(steps, [r["text_loss"] for r in log], label="text tokens")
-    ax.plot(steps, [r["answer_loss"] for r in log], label="answer tokens")
+    window = 50  # rows differ a lot (random tokens, stories, tasks): a mean over the last 50 steps
+
+    def smooth(values: list[float]) -> list[float]:
+        return [sum(values[max(0, i - window + 1): i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+    ax.plot(steps, smooth([r["text_loss"] for r in log]), label=f"text tokens (mean of {window} steps)")
+    ax.plot(steps, smooth([r["answer_loss"] for r in log]), label=f"answer tokens (mean of {window} steps)")
     start = 0
     for n, length, *_ in PHASES:
         ax.axvline(start, color="grey", lw=0.5)
@@ -330,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = Rows(tok, rng)
     phases = [(max(1, round(n * args.scale)), length, b, data) for n, length, b, data in PHASES]
     total = sum(n for n, *_ in phases)
-    train_len = phases[-1][1]
+    train_len = max(length for _, length, *_ in phases)
+    yarn_from = next(i for i, (_, length, *_) in enumerate(phases) if length == train_len)
     model = transformers.DeepseekV3ForCausalLM(hf_config(train_len, yarn=False))
     model.train()
     decay = [p_ for n, p_ in model.named_parameters() if p_.dim() >= 2]
@@ -344,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=total, unit="step", dynamic_ncols=True, mininterval=2)
     probe_rng = random.Random(SEED + 1)
     for i, (n, length, batch, data) in enumerate(phases):
-        if i == len(phases) - 1:
+        if i == yarn_from:
             use_rope(model, hf_config(train_len, yarn=True))
         for _ in range(n):
             inp, tgt, mask = rows.batch(length, batch, data)
