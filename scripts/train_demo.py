@@ -201,7 +201,8 @@ class Rows:
         return ids[: length + 1], mask[: length + 1]
 
     def row(self, length: int) -> tuple[list[int], list[int]]:
-        """Random tokens repeated (:data:`RANDOM_SHARE` of the rows), or else: a retrieval task
+        """Random tokens repeated or random name–code pairs (:data:`RANDOM_SHARE` of the rows,
+        half each), or else: a retrieval task
         filling most of the row (half the rows), then shorter tasks, words
         to repeat, chat turns and stories up to ``length + 1`` tokens. The mask marks what is
         copied from earlier in the row: a task answer's needle digits and name, a repeated
