@@ -50,7 +50,9 @@ driver = step latency - slowest rank's run time (pipe round trip, plan pickling,
 Two probes of the gloo group itself: an all_reduce of one float back to back, and after 1 ms of
 busy compute on each rank — the second stays near the first only if both ranks really get a
 core at the same time (on a shared 2-core machine they take turns, and every collective of a
-step then costs about the peer's compute slice).
+step then costs about the peer's compute slice). And one of the shared-memory collectives a step
+actually uses (engine/parallel/comm.py): all_reduce, all_gather and all_to_all of 1 KiB back to
+back, the cost of the operation itself when no rank is late (``shm_collective_us``).
 """
 
 from __future__ import annotations
@@ -132,8 +134,27 @@ def _install_rank_timers() -> None:
             times.append(time.perf_counter() - t0)
         return {"median_s": statistics.median(times), "min_s": min(times)}
 
+    def bench_comm(self, n: int = 1000, numel: int = 256) -> dict:
+        """Median µs of the group's shared-memory collectives (engine/parallel/comm.py, the
+        path a decode step's collectives take) on 1 KiB of fp32, back to back: the cost of one
+        operation itself when both ranks arrive together (no waiting for a late peer)."""
+        c = self.comm
+        x, out = torch.randn(numel), torch.empty(self.world * numel)
+        ops = {"all_reduce": lambda: c.all_reduce(x), "all_gather": lambda: c.all_gather_single(out, x),
+               "all_to_all": lambda: c.all_to_all_single(out[:numel], x)}
+        got = {}
+        for name, op in ops.items():
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - t0)
+            got[name] = statistics.median(times[n // 10:]) * 1e6
+        return got
+
     dcp.DecodeRank.bench_timers = bench_timers
     dcp.DecodeRank.bench_ping = bench_ping
+    dcp.DecodeRank.bench_comm = bench_comm
 
 
 if os.environ.get(_TIMER_ENV) == "1" and __name__ != "__main__":  # a spawned rank re-importing us
@@ -377,7 +398,8 @@ def bench_model(model: str, args, log, engines: dict | None = None) -> list[dict
             engines[name].runner.prefill = replays[name]
         kw_of = dict(variants)
         held = {name: [w["expert_bytes"] for w in eng.group.call("weights")] for name, eng in engines.items()}
-        ping = {name: (eng.group.call("bench_ping", 200)[0], eng.group.call("bench_ping", 100, 1.0)[0])
+        ping = {name: (eng.group.call("bench_ping", 200)[0], eng.group.call("bench_ping", 100, 1.0)[0],
+                       eng.group.call("bench_comm")[0])
                 for name, eng in engines.items() if eng.group.world_size > 1}
         for ctx in contexts:
             prompt = torch.randint(3, cfg.vocab_size, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist()
@@ -447,6 +469,7 @@ def bench_model(model: str, args, log, engines: dict | None = None) -> list[dict
                     "expert_weight_bytes_per_rank": held[name],
                     "gloo_allreduce_latency_ms": ping[name][0]["median_s"] * 1e3 if name in ping else None,
                     "gloo_allreduce_after_1ms_compute_ms": ping[name][1]["median_s"] * 1e3 if name in ping else None,
+                    "shm_collective_us": ping[name][2] if name in ping else None,
                     "comm_ms_all_ranks": [_breakdown(t, n_steps)["comm"] for t in timers[name]],
                     "process_cpu_ms_all_ranks": [_breakdown(t, n_steps)["process_cpu"] for t in timers[name]],
                     "plan_pickle": pickle_cost, "loadavg_1m": [load0, load1],
@@ -652,6 +675,9 @@ def main() -> None:
               f"of compute on each rank {min(spun):.3f}-{max(spun):.3f} ms (~{min(pings):.2f} if both ranks have a "
               f"core, ~1 if they take turns); inside decode steps {min(per_coll):.2f}-{max(per_coll):.2f} ms per "
               f"collective (incl. waiting for the peer)")
+        shm = [r["shm_collective_us"] for r in results if r["shm_collective_us"]]
+        print("shared-memory collectives of 1 KiB back to back (the op itself, no late peer), median µs: "
+              + ", ".join(f"{op} {min(x[op] for x in shm):.1f}-{max(x[op] for x in shm):.1f}" for op in shm[0]))
     for ctx in args.contexts:
         pc = next(r["plan_pickle"] for r in results if r["context"] == ctx)
         print(f"decode plan per rank at {ctx}: a request's first step {pc['bytes'] / 1024:.0f} KiB pickled "

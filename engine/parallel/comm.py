@@ -4,8 +4,11 @@ Every rank of a :class:`~engine.parallel.group.WorkerGroup` is a process on the 
 decode step sends a handful of small messages per layer (the DCP exchange, the tensor-parallel
 and MoE all-reduces: kilobytes at batch 1, a few hundred KB at batch 32). Through gloo over
 loopback each cost about 1 ms of waiting on a 2-core machine (its worker thread, TCP,
-wake-ups), most of a DCP step; through shared memory 0.08–0.19 ms (``bench/decode_dcp.py``,
-docs/benchmarks.md). :class:`Comm` runs them through a shared-memory segment:
+wake-ups), most of a DCP step; through shared memory 0.10–0.15 ms inside a decode step, most of
+it waiting for the later rank (``bench/decode_dcp.py``, docs/benchmarks.md). The operation itself
+(both ranks arriving together) is 14–30 µs for 1 KiB: a handful of tensor ops, since at batch 1
+their Python overhead, not the bytes, is the cost (``bench/decode_dcp.py --quick`` prints it).
+:class:`Comm` runs them through a shared-memory segment:
 
 - one segment per group, created by rank 0 under ``/dev/shm`` and unlinked as soon as every
   rank has mapped it (nothing is left behind, even after a SIGKILL);
@@ -98,25 +101,31 @@ class Comm:
             return
         self._flags = buf[:flag_bytes].view(torch.int64).numpy()  # rank r's counter: [r * _LINE // 8]
         self._data = buf[flag_bytes:].view(2, self.world, self.slot_bytes)
+        # per buffer: every rank's slot [C, slot_bytes] and this rank's own (fewer tensor ops
+        # per collective: at batch 1 a decode step's collectives are mostly Python overhead)
+        self._slots = (self._data[0], self._data[1])
+        self._own = (self._data[0, self.rank], self._data[1, self.rank])
 
     # ---- the shared-memory exchange ---------------------------------------------------------
     def _fits(self, x: torch.Tensor) -> bool:
         return self._data is not None and x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
 
-    def _publish(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Write ``x`` into this rank's slot, wait for every rank's; their tensors (views of the
-        segment, valid until the next operation but one), in rank order."""
+    def _publish(self, x: torch.Tensor) -> torch.Tensor:
+        """Write ``x`` into this rank's slot, wait for every rank's; their bytes, as one
+        [C, nbytes] uint8 view of the segment (row r: rank r's ``x``), valid until the next
+        operation but one."""
         self.seq += 1
         self.shm_ops += 1
-        nbytes = x.numel() * x.element_size()
-        slots = self._data[self.seq % 2]
-        slots[self.rank, :nbytes].copy_(x.contiguous().view(-1).view(torch.uint8))
+        raw = _bytes(x)
+        nbytes = raw.numel()
+        parity = self.seq % 2
+        self._own[parity][:nbytes].copy_(raw)
         flags, seq = self._flags, self.seq
         flags[self.rank * _LINE // 8] = seq  # x86 keeps stores in order: the data is visible first
         for peer in range(self.world):
             if peer != self.rank:
                 self._wait(peer, seq)
-        return [slots[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.world)]
+        return self._slots[parity][:, :nbytes]
 
     def _wait(self, peer: int, seq: int) -> None:
         flags, at = self._flags, peer * _LINE // 8
@@ -136,11 +145,13 @@ class Comm:
                 time.sleep(_SLEEP_S)
 
     @staticmethod
-    def _sum(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def _sum(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Sum of the rows of ``parts`` [C, n] (bytes of ``dtype``) in row order, in fp32."""
+        parts = parts.view(dtype) if parts.dtype != dtype else parts
         acc = parts[0].to(torch.float32, copy=True)
-        for p in parts[1:]:
-            acc += p
-        return acc.to(dtype)
+        for r in range(1, parts.shape[0]):
+            acc += parts[r]
+        return acc if dtype == torch.float32 else acc.to(dtype)
 
     # ---- the collectives --------------------------------------------------------------------
     def _via_group(self, x: torch.Tensor, collective, *args) -> bool:
@@ -154,22 +165,41 @@ class Comm:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (and returned)."""
         if not self._via_group(x, dist.all_reduce, x):
-            x.copy_(self._sum(self._publish(x), x.dtype))
+            parts = self._publish(x).view(x.dtype)
+            if x.dtype == torch.float32 and x.is_contiguous():  # summed straight into x, rank order
+                flat = torch.add(parts[0], parts[1], out=x.view(-1))
+                for r in range(2, self.world):
+                    flat += parts[r]
+            else:
+                x.copy_(self._sum(parts, x.dtype).view(x.shape))
         return x
 
     def all_gather_single(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """``out`` [C * n, ...] = every rank's ``x`` [n, ...], in rank order."""
         if not self._via_group(x, dist.all_gather_single, out, x):
-            out.view(self.world, -1).copy_(torch.stack([p.reshape(-1) for p in self._publish(x)]))
+            _out_bytes(out).view(self.world, -1).copy_(self._publish(x))
 
     def all_to_all_single(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Equal splits: chunk j of ``x`` goes to rank j; ``out``'s chunk i came from rank i."""
         if not self._via_group(x, dist.all_to_all_single, out, x):
-            mine = [p.reshape(self.world, -1)[self.rank] for p in self._publish(x)]
-            out.view(self.world, -1).copy_(torch.stack(mine))
+            got = self._publish(x)
+            if got.numel():
+                _out_bytes(out).view(self.world, -1).copy_(got.view(self.world, self.world, -1)[:, self.rank])
 
     def reduce_scatter_single(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """``out`` = the sum over ranks of chunk ``rank`` of their ``x`` [C * n, ...]."""
         if not self._via_group(x, dist.reduce_scatter_single, out, x):
-            mine = [p.reshape(self.world, -1)[self.rank] for p in self._publish(x)]
-            out.copy_(self._sum(mine, out.dtype).view(out.shape))
+            got = self._publish(x)
+            if got.numel():
+                mine = got.view(self.world, self.world, -1)[:, self.rank]
+                out.copy_(self._sum(mine, out.dtype).view(out.shape))
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``x``, as a flat uint8 view (a copy if ``x`` is not contiguous)."""
+    return x.contiguous().view(-1).view(torch.uint8)
+
+
+def _out_bytes(out: torch.Tensor) -> torch.Tensor:
+    """The bytes of an output tensor, as a flat uint8 view (it must be contiguous: written in place)."""
+    return out.view(-1).view(torch.uint8)
