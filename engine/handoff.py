@@ -151,7 +151,9 @@ class KVSender(Protocol):
     def merge(self, results: list[dict]) -> dict:
         """One result for several pushes of one request."""
 
-    def close(self) -> None: ...
+    def close(self, at_exit: bool = False) -> None:
+        """Release everything; ``at_exit``: the rank process ends right after (it exits without
+        the interpreter's teardown), so what the OS reclaims at exit may be left to it."""
 
 
 class KVReceiver(Protocol):
@@ -161,7 +163,7 @@ class KVReceiver(Protocol):
 
     def register(self, ptr: int, nbytes: int) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, at_exit: bool = False) -> None: ...  # as KVSender.close
 
 
 def kv_backend(spec: str = DEFAULT_BACKEND):

@@ -111,7 +111,7 @@ class KVSender:
         return {"ok": True, "bytes": sum(r["bytes"] for r in results), "writes": sum(r["writes"] for r in results),
                 "seconds": sum(r["seconds"] for r in results)}
 
-    def close(self) -> None:
+    def close(self, at_exit: bool = False) -> None:
         if self.staging is not None:
             self.staging.close()
-        self.transport.close()
+        self.transport.close(at_exit=at_exit)

@@ -137,8 +137,10 @@ class KVTransport(abc.ABC):
         """Copy ``lengths[i]`` bytes from local ``src_ptrs[i]`` to the peer's ``dst_ptrs[i]``."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Unregister everything and stop listening. Idempotent."""
+    def close(self, at_exit: bool = False) -> None:
+        """Unregister everything and stop listening. Idempotent. ``at_exit``: the process ends
+        right after, without the interpreter's teardown (a rank process, engine/parallel/group.py),
+        so listeners may be left for the OS to close."""
 
     def __enter__(self) -> KVTransport:
         return self
@@ -186,6 +188,9 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+_ENDING_WITH_PROCESS: list = []  # engines closed with at_exit=True (see MooncakeTransport.close)
 
 
 class MooncakeTransport(KVTransport):
@@ -288,7 +293,7 @@ class MooncakeTransport(KVTransport):
             if rc < 0:
                 raise _write_error(peer_session, lens[part], rc)
 
-    def close(self) -> None:
+    def close(self, at_exit: bool = False) -> None:
         with self._lock:
             engine, self._engine = self._engine, None
             if engine is None:
@@ -299,6 +304,9 @@ class MooncakeTransport(KVTransport):
             self._sizes.clear()
         # Dropping the last reference stops the engine's listeners (takes about a second).
         # Methods never hold the engine in a local across a raise, so no traceback keeps it.
+        # A process about to exit keeps it instead: the exit closes its sockets at once.
+        if at_exit:
+            _ENDING_WITH_PROCESS.append(engine)
         del engine
 
     def _open_engine(self):

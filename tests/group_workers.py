@@ -48,6 +48,24 @@ class EchoWorker:
         return self.ctx.rank
 
 
+class ClosingWorker:
+    """Holds a named semaphore (as tqdm's lock does in a rank that loads a model) and writes
+    ``<out>/closed-<rank>`` from ``close()``."""
+
+    def __init__(self, ctx: RankContext, out: str):
+        import multiprocessing
+
+        self.ctx, self.out = ctx, out
+        self.lock = multiprocessing.get_context("spawn").RLock()
+
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    def close(self) -> None:
+        with open(os.path.join(self.out, f"closed-{self.ctx.rank}"), "w") as f:
+            f.write("closed")
+
+
 class FailingInitWorker:
     """Raises in the constructor on one rank."""
 

@@ -292,6 +292,29 @@ def test_forgotten_group_is_stopped_when_collected():
     assert wait_all_gone(pids) == []
 
 
+CLEAN_EXIT_SCRIPT = """
+import sys
+from engine.parallel.group import WorkerGroup
+group = WorkerGroup(2, "tests.group_workers:ClosingWorker", (sys.argv[1],), name="closing")
+assert group.call("rank") == [0, 1]
+group.shutdown()
+print(*(p.exitcode for p in group._ranks.processes), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_clean_shutdown_closes_every_worker_and_leaves_nothing_behind(tmp_path):
+    # A rank leaves without the interpreter's teardown once its worker is closed: close() must
+    # still run, the exit code stay 0, and what multiprocessing registered in the rank (a
+    # semaphore here) be released — else the resource tracker reports it as leaked.
+    proc = subprocess.run([sys.executable, "-c", CLEAN_EXIT_SCRIPT, str(tmp_path)], cwd=REPO, text=True,
+                          capture_output=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["0", "0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["closed-0", "closed-1"]
+    assert "leaked" not in proc.stderr, proc.stderr[-2000:]
+
+
 DRIVER_SCRIPT = """
 import os, sys
 from engine.parallel.group import WorkerGroup

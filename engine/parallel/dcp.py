@@ -283,8 +283,9 @@ class DecodeRank:
             index_row_bytes=self.fmt.index_bytes)
 
     def close(self) -> None:
+        """Runs as the rank process ends (engine/parallel/group.py)."""
         if self.transport is not None:
-            self.transport.close()
+            self.transport.close(at_exit=True)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1:

@@ -248,6 +248,24 @@ def _rank_main(rank: int, world_size: int, port: int, conn: multiprocessing.conn
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Everything is closed: leave without the interpreter's teardown (module and thread
+    # finalisation, ~0.5 s here with torch loaded), which every group stop would wait for.
+    # The shared-memory segment is already unlinked (engine/parallel/comm.py); the OS closes
+    # the sockets, including those of a transfer engine closed with at_exit=True.
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    # what a multiprocessing child runs as it ends (finalisers: e.g. unlinking a semaphore
+    # tqdm made, which the resource tracker would otherwise report as leaked), then the flushes
+    multiprocessing.util._exit_function()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _serve_calls(conn: multiprocessing.connection.Connection, worker) -> None:

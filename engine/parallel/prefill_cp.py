@@ -176,10 +176,11 @@ class PrefillRank:
         return self.sender.push(mine, dest, self.pool.latent, self.pool.index)
 
     def close(self) -> None:
+        """Runs as the rank process ends (engine/parallel/group.py)."""
         if self.pusher is not None:
             self.pusher.shutdown(wait=True)
         if self.sender is not None:
-            self.sender.close()
+            self.sender.close(at_exit=True)
 
     def run(self, plan: StepPlan, trace: bool = False, armed: dict | None = None):
         """One extend forward over this rank's share of the plan's new tokens.
