@@ -281,7 +281,16 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
 
 
 def stop_cluster(children: list[Child]) -> None:
-    for child in reversed(children):
+    """Stop the routers first (no new work reaches the engines), then every engine service at
+    once: each shuts its rank group down on its own, so waiting for one before signalling the
+    next only adds their stop times up."""
+    routers = [c for c in reversed(children) if c.kind == "router"]
+    engines = [c for c in reversed(children) if c.kind != "router"]
+    for child in routers:
+        child.stop()
+    for child in engines:
+        child.signal_stop()
+    for child in engines:
         child.stop()
 
 
