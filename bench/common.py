@@ -49,6 +49,14 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(p: argparse.ArgumentParser, quick: dict) -> argparse.Namespace:
+    """``p.parse_args()``; with ``--quick``, ``quick``'s values replace the defaults, so an
+    option given on the command line still wins over its quick value."""
+    if p.parse_known_args()[0].quick:
+        p.set_defaults(**quick)
+    return p.parse_args()
+
+
 def print_table(title: str, columns: list[str], rows: list[list]) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -64,7 +64,7 @@ import sys
 import time
 from collections import defaultdict
 
-from common import base_parser, emit_json, print_table, save_plot
+from common import base_parser, emit_json, parse_args, print_table, save_plot
 
 _TIMER_ENV = "CPSERVE_DCP_BENCH_TIMERS"
 _COLLECTIVES = ("all_gather_single", "all_to_all_single", "reduce_scatter_single", "all_reduce")
@@ -553,10 +553,7 @@ def main() -> None:
     p.add_argument("--synthetic-kv", action="store_true", help="random prompt rows for the dense model too "
                    "(default with --quick)")
     p.add_argument("--dsa-reference-kv", action="store_true", help="reference-prefill the dsa prompts (slow)")
-    args = p.parse_args()
-    if args.quick:
-        args.contexts, args.models = "2048,4096", "dense"
-        args.steps, args.rounds, args.synthetic_kv = min(args.steps, 16), min(args.rounds, 8), True
+    args = parse_args(p, {"contexts": "2048,4096", "models": "dense", "synthetic_kv": True})
     args.contexts = [int(x) for x in args.contexts.split(",")]
     models = [m for m in args.models.split(",") if m]
     for m in models:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import time
 
-from common import BENCH_MODEL, BENCH_STD, BENCH_TYPE, base_parser, bench_model_dir, emit_json, print_table, save_plot
+from common import (BENCH_MODEL, BENCH_STD, BENCH_TYPE, base_parser, bench_model_dir, emit_json, parse_args, print_table,
+                    save_plot)
 
 import torch
 
@@ -56,9 +57,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--models", default="bench,tiny,tiny-v3")
-    args = p.parse_args()
-    if args.quick:
-        args.prompt_tokens, args.new_tokens, args.models = 256, 32, "bench"
+    args = parse_args(p, {"prompt_tokens": 256, "new_tokens": 32, "models": "bench"})
     batches = sorted({int(b) for b in args.batches.split(",")} | {1})
     torch.set_num_threads(args.threads)
     from engine.reference import ReferenceEngine

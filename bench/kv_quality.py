@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, base_parser, emit_json, print_table, save_plot
+from common import ROOT, base_parser, emit_json, parse_args, print_table, save_plot
 
 LAYOUTS = ("fp32", "fp8", "fp8_ds_mla")  # each against bf16
 BASELINE = "bf16"
@@ -108,9 +108,7 @@ def main() -> None:
     p.add_argument("--lengths", default="32,512,2048", help="prompt lengths (one prompt each)")
     p.add_argument("--models", default="tiny,tiny-v3,tiny-v32,release")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    if args.quick:
-        args.new_tokens, args.lengths, args.models = min(args.new_tokens, 16), "64", "release"
+    args = parse_args(p, {"new_tokens": 16, "lengths": "64", "models": "release"})
     import torch
 
     t0 = time.perf_counter()

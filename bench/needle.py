@@ -27,7 +27,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from common import base_parser, emit_json, print_table, save_plot
+from common import base_parser, emit_json, parse_args, print_table, save_plot
 
 # name → `cpserve up` flags. Together: prefill CP 2 and 3, interleave and zigzag, layer split,
 # decode DCP 2 and 4, both LSE exchanges.
@@ -140,9 +140,7 @@ def main() -> None:
                    help="prompt lengths the layouts run (default: every length)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight per cluster")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the reference engine")
-    args = p.parse_args()
-    if args.quick:
-        args.lengths, args.depths, args.layouts = "1024,2048", "0,0.5,1", "cp2-interleave/dcp2,cp3-zigzag/dcp4"
+    args = parse_args(p, {"lengths": "1024,2048", "depths": "0,0.5,1", "layouts": "cp2-interleave/dcp2,cp3-zigzag/dcp4"})
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     tasks = [t for t in args.tasks.split(",") if t]
