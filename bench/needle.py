@@ -2,14 +2,15 @@
 prompt length and needle depth, for the reference engine and for `cpserve up` layouts.
 
     python bench/needle.py [--quick] [--json] [--lengths 1024,2048,4096,8192,16384]
-                           [--depths 0,0.25,0.5,0.75,1] [--samples 1] [--tasks passkey,kv]
+                           [--depths 0,0.25,0.5,0.75,1] [--samples 3] [--tasks passkey,kv]
                            [--layouts cp2-interleave/dcp2,...] [--layout-lengths ...] [--model demo]
 
 Prompts (cpserve/demo_text.py, seeded per point): a haystack of generated stories with the
 needle sentence at the given depth (a fraction of the haystack's tokens) and the question last,
 as one user message through the model's chat template — the format the model was trained on.
-Each point asks ``--samples`` prompts of each task. An answer is right when it holds the
-needle's number and no other (``demo_text.is_right``).
+Each point asks ``--samples`` prompts of each task (3 by default: with one, a point of the heat
+map is 0 or 100 % and the accuracy up to the training length moves by 3 % per answer). An
+answer is right when it holds the needle's number and no other (``demo_text.is_right``).
 
 Every prompt goes through the one-process reference engine (greedy, 16 new tokens, stop at
 EOS): its accuracy per (task, length, depth) is the heat map. Then each layout — a `cpserve up`
@@ -133,14 +134,15 @@ def main() -> None:
     p.add_argument("--model", default="demo")
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="prompt lengths in tokens")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths (fractions of the haystack)")
-    p.add_argument("--samples", type=int, default=1, help="prompts per task, length and depth")
+    p.add_argument("--samples", type=int, default=3, help="prompts per task, length and depth")
     p.add_argument("--tasks", default="passkey,kv")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="`cpserve up` layouts checked against the reference")
     p.add_argument("--layout-lengths", default=None,
                    help="prompt lengths the layouts run (default: every length)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight per cluster")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the reference engine")
-    args = parse_args(p, {"lengths": "1024,2048", "depths": "0,0.5,1", "layouts": "cp2-interleave/dcp2,cp3-zigzag/dcp4"})
+    args = parse_args(p, {"lengths": "1024,2048", "depths": "0,0.5,1", "samples": 1,
+                          "layouts": "cp2-interleave/dcp2,cp3-zigzag/dcp4"})
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     tasks = [t for t in args.tasks.split(",") if t]
