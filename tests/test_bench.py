@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALLER = {"kv_transfer": ["--tokens", "1024,2048", "--repeats", "1"], "serving": ["--concurrency", "1,4"],
            "memory": ["--groups", "2"], "engine": ["--batches", "1,4", "--new-tokens", "8"],
            "prefill_cp": ["--lengths", "1024,2048", "--balance-tokens", "16384"],
-           "needle": ["--lengths", "512", "--depths", "0,1", "--samples", "1", "--layouts", "cp2-interleave/dcp2"]}
+           "needle": ["--lengths", "512", "--depths", "0,1", "--layouts", "cp2-interleave/dcp2"]}
 BENCHES = {  # benchmark → (plot it writes, a key its JSON must have)
     "reference": ("reference.png", "results"),
     "prefill_cp": ("prefill_cp.png", "runtime_s"),
