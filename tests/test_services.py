@@ -581,6 +581,31 @@ def test_engine_loop_bounds_its_queue_and_fails_cleanly():
         loop.submit(lambda e: 1)
 
 
+def test_engine_loop_snapshot_is_fresh_when_a_caller_hears_back():
+    """A handler answers as soon as its command's future resolves, and the client's next call
+    (Status after Reserve) reads the snapshot: it must already show that command's effect."""
+    engine = {"n": 0}
+    seen = []
+    loop = EngineLoop(engine, "test", 4, on_failure=lambda m: None, snapshot=lambda e: e["n"])
+    try:
+        def bump(e):
+            e["n"] += 1
+            return e["n"]
+
+        def fail(e):
+            e["n"] += 1
+            raise ValueError("after a change")
+
+        for fn in (bump, bump, fail):
+            fut = loop.submit(fn)
+            # runs on the loop thread the moment the result is set, as the handler's wake-up would
+            fut.add_done_callback(lambda f: seen.append(loop.snapshot))
+            fut.exception(5)
+        assert seen == [1, 2, 3]
+    finally:
+        loop.stop()
+
+
 @pytest.mark.timeout(90)
 def test_cli_serve_decode_prints_its_address_and_stops_on_sigterm(tmp_path):
     from engine.parallel.threads import usable_cores

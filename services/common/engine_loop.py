@@ -153,11 +153,14 @@ class EngineLoop:
                 fut.set_exception(e)
             raise
         except BaseException as e:
+            self.snapshot = self._make_snapshot(self.engine)
             if fut is None:
                 logger.exception("%s: command failed", self.name)
             else:
                 fut.set_exception(e)
             return
+        # before the caller hears back: a Status sent after a Reserve's reply sees the reservation
+        self.snapshot = self._make_snapshot(self.engine)
         if fut is not None:
             fut.set_result(result)
 
