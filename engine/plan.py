@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -62,6 +63,30 @@ class StepPlan:
     @property
     def is_decode(self) -> bool:
         return self.kind == "decode"
+
+    def __reduce__(self):
+        """A decode plan pickles as two byte strings — six int64 fields per item, then every
+        item's slots — instead of an object per field: the driver sends one to every rank each
+        step, and pickling the dataclasses took 14 µs + 9 µs to read back at batch 1 and
+        216 + 167 µs at batch 32 (10 + 6 and 64 + 69 µs this way, through the group's pickler;
+        several times more on a core the ranks keep busy)."""
+        if not self.is_decode or not all(type(it) is DecodeItem for it in self.items):
+            return StepPlan, (self.kind, self.items)
+        head = [(it.req_id, it.token_id, it.position, it.slots_from, int(it.argmax), it.slots.numel())
+                for it in self.items]
+        slots = torch.cat([it.slots.reshape(-1).long() for it in self.items]) if self.items else \
+            torch.empty(0, dtype=torch.long)
+        return _decode_plan, (np.array(head, dtype=np.int64).tobytes(), slots.numpy().tobytes())
+
+
+def _decode_plan(head: bytes, slots: bytes) -> StepPlan:
+    fields = np.frombuffer(head, dtype=np.int64).reshape(-1, 6).tolist()
+    every = torch.frombuffer(bytearray(slots), dtype=torch.long) if slots else torch.empty(0, dtype=torch.long)
+    items, k = [], 0
+    for req_id, token_id, position, slots_from, argmax, n in fields:
+        items.append(DecodeItem(req_id, token_id, position, every[k : k + n], slots_from, bool(argmax)))
+        k += n
+    return StepPlan("decode", items)
 
 
 class SlotSync:

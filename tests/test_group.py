@@ -143,6 +143,34 @@ def test_pipe_messages_carry_a_views_elements_not_its_storage():
     assert torch.equal(pickle.loads(row), big[3])
 
 
+def test_decode_plans_cross_as_two_byte_strings_and_come_back_equal():
+    """A decode plan pickles as its fields and slots in two byte strings (one object per item
+    and field cost more than the step's own work at batch 1); every field comes back, slots
+    views included; other plans pickle as before."""
+    import pickle
+
+    from engine.parallel.group import dumps
+    from engine.plan import FROM_PREVIOUS, ChunkItem, DecodeItem, StepPlan
+
+    history = torch.arange(100, 164)
+    items = [DecodeItem(3, FROM_PREVIOUS, 63, history[60:], 60, True),  # a view of a longer tensor
+             DecodeItem(9, 17, 0, torch.tensor([5]), 0, False),
+             DecodeItem(2**40, 4, 7, torch.empty(0, dtype=torch.long), 8, True)]
+    for plan in (StepPlan("decode", items), StepPlan("decode", [])):
+        wire = dumps(plan)
+        assert b"DecodeItem" not in wire  # not pickled field by field
+        back = pickle.loads(wire)
+        assert back.kind == "decode" and len(back.items) == len(plan.items)
+        for a, b in zip(back.items, plan.items):
+            assert (a.req_id, a.token_id, a.position, a.slots_from, a.argmax) == \
+                (b.req_id, b.token_id, b.position, b.slots_from, b.argmax)
+            assert a.slots.dtype == torch.long and torch.equal(a.slots, b.slots)
+    extend = StepPlan("extend", [ChunkItem(1, [4, 5], 0, torch.tensor([0, 1]), True, 2, (5,))])
+    back = pickle.loads(dumps(extend))
+    assert back.items[0].token_ids == [4, 5] and back.items[0].targets == (5,) and \
+        torch.equal(back.items[0].slots, torch.tensor([0, 1]))
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shared_memory_collectives_equal_the_process_groups(world_size):

@@ -34,7 +34,7 @@ The three questions, for the group itself:
         driver holds one pipe end and the process handle per rank, and the TCPStore.
     cross — per ``call``: the pickled (method, args, kwargs) to each of the C ranks, and one
         pickled result back from each, tensors by value (CPU tensors as raw bytes, see
-        _Pickler; no shared memory);
+        _reduce_tensor; no shared memory);
         nothing model-sized should travel this way (tensors between ranks go through the
         process group, KV bytes through the transfer engine).
     cost — one pipe round trip per rank per call (tens of µs for a small step plan) plus
@@ -55,6 +55,7 @@ import multiprocessing.connection
 import multiprocessing.util
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
@@ -84,28 +85,54 @@ def _rebuild_tensor(raw: bytes, dtype, shape: tuple) -> Any:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-class _Pickler(pickle.Pickler):
-    """Pickle with CPU tensors as their raw bytes. torch's own reduction writes each tensor's
+def _reduce_tensor(obj):
+    """Pickle a plain CPU tensor as its raw bytes. torch's own reduction writes each tensor's
     storage as a torch.save archive (a view carries all of it) and reads it back with
     torch.load: a decode step's plan at 2k tokens took 0.28 ms to pickle and unpickle that way,
-    0.03 ms this way (bench/decode_dcp.py --quick)."""
+    0.03 ms this way (bench/decode_dcp.py --quick). Other tensors reduce as torch does."""
+    import torch
 
-    def reducer_override(self, obj):
+    if obj.device.type == "cpu" and obj.layout == torch.strided and not obj.requires_grad and not obj.is_quantized:
+        flat = obj.contiguous().reshape(-1)
+        return _rebuild_tensor, (flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"",
+                                 obj.dtype, tuple(obj.shape))
+    return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+_DISPATCH: dict | None = None
+
+
+def _dispatch_table() -> dict:
+    """copyreg's table plus torch.Tensor (exact type: subclasses such as Parameter reduce as
+    torch does). A table, not ``reducer_override``: that one is a Python call for every object
+    pickled, this one a lookup in C."""
+    global _DISPATCH
+    if _DISPATCH is None:
+        import copyreg
+
         import torch
 
-        if (type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided
-                and not obj.requires_grad and not obj.is_quantized):
-            flat = obj.contiguous().reshape(-1)
-            return _rebuild_tensor, (flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"",
-                                     obj.dtype, tuple(obj.shape))
-        return NotImplemented
+        _DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+    return _DISPATCH
 
 
 def dumps(obj: Any) -> bytes:
     """What crosses a group's pipes (read with plain pickle.loads)."""
     buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _dispatch_table()
+    pickler.dump(obj)
     return buf.getvalue()
+
+
+def _readable(fds: list[int], timeout_s: float) -> set[int]:
+    """Which of ``fds`` are readable or hung up within ``timeout_s``: one poll(2). (What
+    multiprocessing.connection.wait does, without the selector object it builds each call: a
+    decode step's collect is one or two of these.)"""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _ in poller.poll(timeout_s * 1e3)}
 
 
 class GroupError(RuntimeError):
@@ -576,12 +603,13 @@ class WorkerGroup:
             try:
                 if self._closed:
                     raise ValueError("closed")
-                waitables = [conns[r] for r in pending] + list(sentinels)
-                ready = multiprocessing.connection.wait(waitables, timeout=_POLL_S)
+                fds = {conns[r].fileno(): r for r in pending}
+                ready = _readable([*fds, *sentinels], _POLL_S)
+                answered = {fds[fd] for fd in ready if fd in fds}
             except (OSError, ValueError):  # shutdown() closed the pipes under us
                 self._fail(None, f"worker group {self.name!r} was shut down during {what}")
             for rank in list(pending):  # messages first: a rank that reports then exits
-                if conns[rank] in ready or conns[rank].poll():
+                if rank in answered:
                     try:
                         kind, *payload = conns[rank].recv()
                     except (EOFError, OSError):

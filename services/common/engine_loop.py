@@ -31,6 +31,7 @@ from services.common.rpc import QueueFull, ServiceUnavailable
 logger = logging.getLogger("cpserve.services")
 
 Command = Callable[[Any], Any]
+SNAPSHOT_S = 0.02  # how stale the snapshot may get while the engine runs with no command
 
 
 class EngineLoop:
@@ -48,6 +49,7 @@ class EngineLoop:
         self._stopping = False
         self._closed = False  # set (under _lock) when the thread ends; nothing queued after is run
         self.snapshot = snapshot(engine)
+        self._snapshot_at = time.monotonic()
         self.observe_tick: Callable[[float], None] | None = None  # e.g. a step-time histogram
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
@@ -110,7 +112,12 @@ class EngineLoop:
                     self._tick(self.engine)
                     if self.observe_tick is not None:
                         self.observe_tick(time.perf_counter() - t0)
-                self.snapshot = self._make_snapshot(self.engine)
+                    # between commands a running engine refreshes it every SNAPSHOT_S (a decode
+                    # step is a few ms; the snapshot's walk over the batch is not free), and at once
+                    # when the work runs out
+                    if time.monotonic() - self._snapshot_at < SNAPSHOT_S and self._has_work(self.engine):
+                        continue
+                self._refresh()
         except GroupError as e:
             self._fail(str(e).splitlines()[0])
         except BaseException as e:  # the engine's state is unknown now: stop serving
@@ -153,16 +160,19 @@ class EngineLoop:
                 fut.set_exception(e)
             raise
         except BaseException as e:
-            self.snapshot = self._make_snapshot(self.engine)
+            self._refresh()
             if fut is None:
                 logger.exception("%s: command failed", self.name)
             else:
                 fut.set_exception(e)
             return
-        # before the caller hears back: a Status sent after a Reserve's reply sees the reservation
-        self.snapshot = self._make_snapshot(self.engine)
+        self._refresh()  # before the caller hears back: a Status sent after Reserve's reply sees it
         if fut is not None:
             fut.set_result(result)
+
+    def _refresh(self) -> None:
+        self.snapshot = self._make_snapshot(self.engine)
+        self._snapshot_at = time.monotonic()
 
     def _check_alive(self) -> None:
         group = getattr(self.engine, "group", None)
