@@ -403,12 +403,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarise(results: list[Result], requested: int, start: float, slo_ttft_ms: float | None,
-              slo_tpot_ms: float | None) -> dict:
+              slo_tpot_ms: float | None, wall_s: float | None = None) -> dict:
     """The level's figures: p50/p90/p99 and mean of TTFT, TPOT and ITL (ms) over completed
     requests, request / output-token throughput and goodput (completed requests meeting every
-    given SLO) per second of the level's wall time (start -> last request done), errors."""
+    given SLO) per second of the level's wall time (start -> last request done, or ``wall_s``
+    where the caller knows better: one request at a time interleaved with other targets'), errors."""
     ok = [r for r in results if r.error is None]
-    wall = max((r.end for r in results), default=start) - start
+    wall = max((r.end for r in results), default=start) - start if wall_s is None else wall_s
     series = {"ttft": [r.ttft_ms for r in ok], "tpot": [r.tpot_ms for r in ok if r.tpot_ms == r.tpot_ms],
               "itl": [gap for r in ok for gap in r.itl_ms]}
     good = [r for r in ok if (slo_ttft_ms is None or r.ttft_ms <= slo_ttft_ms)

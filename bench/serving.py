@@ -24,10 +24,11 @@ at the end:
 
 Here ``--model`` is the checkpoint (``bench``: the benchmark model of bench/common.py).
 
-Load (bench/http_load.py says what each figure means). Every level runs on every target in turn
-with the same prompts (request i of a level sends prompt i everywhere), the order of the targets
-rotating per level so that they share the machine's noise (c=1 on A, on B; c=8 on B, on A; ...),
-after one warm-up request per target. Closed loop: ``--concurrency`` workers; open loop:
+Load (bench/http_load.py says what each figure means). Every level runs on every target with the
+same prompts (request i of a level sends prompt i everywhere), after one warm-up request per
+target, so that the targets share the machine's noise: one request at a time (c=1) interleaves
+them request by request (prompt i on A, then on B, ...; the order rotating with i), and a level
+with more in flight runs target after target, the order rotating per level (c=8 on B, on A; ...). Closed loop: ``--concurrency`` workers; open loop:
 ``--request-rate`` Poisson arrivals, seeded, the same arrival times on every target.
 ``--num-prompts`` per level (default max(8, 2 x concurrency), at least 32 at concurrency 8, or 32
 per rate; --quick max(4, concurrency), or 8 per rate); a level starts no new request after
@@ -51,10 +52,12 @@ breakdown: the mean time per stage of ``cpserve_router_ttft_stage_seconds`` over
 histogram sums and counts read before and after it).
 
 Clusters started here are also checked and compared as issue 15 defined: every completed request
-must give the reference's token ids exactly (greedy), and after the servers stop the same engine
-runs offline in this process with each cluster's threads per rank, no server: each first-level
-prompt alone (prefill = ``generate`` call → first token; step = (last − first token) / (tokens −
-1)), then ``generate`` of the first 8 prompts at once (wall clock, prefill included). Each
+must give the reference's token ids exactly (greedy), and the same engine runs offline in this
+process with each cluster's threads per rank, no server: each first-level prompt alone (prefill
+= ``generate`` call → first token; step = (last − first token) / (tokens − 1)) — in the c=1
+level's rounds, next to the servers' requests for the same prompt, when that level comes first;
+else after the servers stop — then, after they stop, ``generate`` of the first 8 prompts at once
+(wall clock, prefill included). Each
 cluster's TTFT is set against the offline prefill, its TPOT against the offline step, and its
 throughput at concurrency 8 against the offline ``generate`` of 8.
 
@@ -78,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -292,80 +296,154 @@ def warm_up(target: Target, prompt: Prompt, opts: RequestOptions) -> None:
         raise RuntimeError(f"{target.name}: the warm-up request failed: {r.error}")
 
 
-def measure(args: argparse.Namespace, targets: list[Target], prompts: list[Prompt], opts: RequestOptions):
-    """Every level on every target (the order rotating per level). Returns {(target, level):
-    figures} and {(target, level): {request index: token ids}}."""
+def measure(args: argparse.Namespace, targets: list[Target], prompts: list[Prompt], opts: RequestOptions,
+            offline: dict | None = None):
+    """Every level on every target. Returns {(target, level): figures} and {(target, level):
+    {request index: token ids}}.
+
+    One request at a time (c=1) interleaves the targets request by request — request i on each
+    target in turn, the order rotating with i, then request i + 1 — so that a slow stretch of
+    the machine lands on every target alike: the ratios between targets (and the engine offline:
+    each of ``offline``'s engines runs prompt i in the same round) are side by side at the
+    finest grain. Levels with more in flight run target after target, the order rotating per
+    level."""
     from tqdm import tqdm
 
     stats, ids = {}, {}
     total = len(targets) * sum(per_level(args, lv) for lv in args.levels)
     with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
         for li, level in enumerate(args.levels):
-            k = li % len(targets)
-            for t in targets[k:] + targets[:k]:  # rotate: share the noise
-                bar.set_postfix_str(f"{t.name} {level.label}")
-                n = per_level(args, level)
-                before = ttft_stage_sums(t) if t.is_cpserve else {}
-                results, start = asyncio.run(run_level(t, prompts, n, level, opts, args.level_timeout, args.seed,
-                                                       lambda: bar.update(1)))
-                s = stats[t.name, level] = summarise(results, n, start, args.slo_ttft, args.slo_tpot)
+            n = per_level(args, level)
+            before = {t.name: ttft_stage_sums(t) if t.is_cpserve else {} for t in targets}
+            if level.concurrency == 1:
+                bar.set_postfix_str(f"every target {level.label}, interleaved")
+                got = interleaved(args, targets, prompts, n, opts, offline if li == 0 else None, lambda: bar.update(1))
+            else:
+                got = {}
+                k = li % len(targets)
+                for t in targets[k:] + targets[:k]:  # rotate: share the noise
+                    bar.set_postfix_str(f"{t.name} {level.label}")
+                    results, start = asyncio.run(run_level(t, prompts, n, level, opts, args.level_timeout, args.seed,
+                                                           lambda: bar.update(1)))
+                    got[t.name] = results, start, None
+            for t in targets:
+                results, start, wall = got[t.name]
+                s = stats[t.name, level] = summarise(results, n, start, args.slo_ttft, args.slo_tpot, wall)
                 if t.is_cpserve:
-                    s["ttft_stages_ms"] = stage_means_ms(before, ttft_stage_sums(t))
+                    s["ttft_stages_ms"] = stage_means_ms(before[t.name], ttft_stage_sums(t))
                     s["ttft_bound"] = ttft_bound_check(results, request_ttft_records(t))
                 ids[t.name, level] = {r.index: r.ids for r in results if r.error is None}
                 bar.update(s["not_started"])
     return stats, ids
 
 
+def interleaved(args: argparse.Namespace, targets: list[Target], prompts: list[Prompt], n: int,
+                opts: RequestOptions, offline: dict | None, on_done) -> dict:
+    """Requests 0..n-1 one at a time, round i sending prompt i to every target (and running it on
+    every engine of ``offline``), the order rotating with i. {target: (results, start, wall_s)},
+    wall_s being the sum of the target's own requests' durations (the level's time on it)."""
+    import httpx
+
+    units = list(targets) + list((offline or {}).values())
+    results: dict[str, list] = {t.name: [] for t in targets}
+    start = time.perf_counter()
+    stop_at = start + args.level_timeout
+
+    async def go():
+        async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(args.level_timeout + 120)) as client:
+            for i in range(n):
+                if time.perf_counter() > stop_at:
+                    return
+                k = i % len(units)
+                for u in units[k:] + units[:k]:
+                    if isinstance(u, OfflineEngine):
+                        u.single(i, prompts[i].token_ids)
+                    else:
+                        results[u.name].append(await send(client, u, i, prompts[i], opts))
+                        on_done()
+
+    asyncio.run(go())
+    return {name: (rs, start, sum(r.end - r.start for r in rs)) for name, rs in results.items()}
+
+
 # ---- the engine offline, for the clusters started here -------------------------------------------
-def offline_figures(model: str, threads: int, single: list[list[int]], batch: list[list[int]],
-                    max_tokens: int) -> dict:
+class OfflineEngine:
     """The reference engine in this process with ``threads`` torch threads (the serving ranks'),
-    no server: per prompt of ``single`` its prefill (generate() call → first token) and decode
-    step ((last − first token) / (tokens − 1)), one at a time; then ``generate`` of ``batch`` at
-    once, wall clock with its prefill. Token ids too, to check the servers against."""
-    import torch
+    no server. ``single``: one prompt alone — its prefill (generate() call → first token) and
+    decode step ((last − first token) / (tokens − 1)); ``batch``: ``generate`` of several at
+    once, wall clock with their prefill. Token ids too, to check the servers against."""
 
-    from engine.model.sampler import SamplingParams
-    from engine.reference import ReferenceEngine
+    def __init__(self, model: str, threads: int, max_prompt: int, batch: int, max_tokens: int):
+        from engine.model.sampler import SamplingParams
+        from engine.reference import ReferenceEngine
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        need = max(len(batch), 1) * (max(map(len, single + batch)) + max_tokens) + 64
-        engine = ReferenceEngine(model, max_cache_tokens=need)
-        params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=())
-        engine.generate([single[0][:16]], SamplingParams(max_new_tokens=2, stop_token_ids=()))  # warm-up
-        prefill_ms, step_ms, ids = [], [], {}
-        for i, prompt in enumerate(single):
+        self.threads, self.max_tokens = threads, max_tokens
+        self.params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=())
+        with self._threads():
+            self.engine = ReferenceEngine(model, max_cache_tokens=max(batch, 1) * (max_prompt + max_tokens) + 64)
+            self.engine.generate([[5] * 16], SamplingParams(max_new_tokens=2, stop_token_ids=()))  # warm-up
+        self.prefill_ms, self.step_ms, self.ids = [], [], {}
+
+    @contextlib.contextmanager
+    def _threads(self):
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def single(self, index: int, prompt: list[int]) -> None:
+        with self._threads():
             t0 = time.perf_counter()
-            seq = engine.generate([prompt], params)[0]
-            prefill_ms.append((seq.token_times[0] - t0) * 1e3)
-            step_ms.append((seq.token_times[-1] - seq.token_times[0]) * 1e3 / (len(seq.token_times) - 1))
-            ids[i] = seq.output_ids
-        t0 = time.perf_counter()
-        seqs = engine.generate(batch, params)
-        wall = time.perf_counter() - t0
-    finally:
-        torch.set_num_threads(before)
-    return {"threads": threads, "prefill_ms": prefill_ms, "step_ms": step_ms, "_ids": ids,
-            "batch": len(batch), "batch_wall_s": wall,
-            "batch_throughput_tok_s": sum(len(s.output_ids) for s in seqs) / wall}
+            seq = self.engine.generate([prompt], self.params)[0]
+        self.prefill_ms.append((seq.token_times[0] - t0) * 1e3)
+        self.step_ms.append((seq.token_times[-1] - seq.token_times[0]) * 1e3 / (len(seq.token_times) - 1))
+        self.ids[index] = seq.output_ids
+
+    def batch(self, prompts: list[list[int]]) -> dict:
+        with self._threads():
+            t0 = time.perf_counter()
+            seqs = self.engine.generate(prompts, self.params)
+            wall = time.perf_counter() - t0
+        return {"threads": self.threads, "prefill_ms": self.prefill_ms, "step_ms": self.step_ms, "_ids": self.ids,
+                "batch": len(prompts), "batch_wall_s": wall,
+                "batch_throughput_tok_s": sum(len(s.output_ids) for s in seqs) / wall}
+
+
+def offline_engines(args: argparse.Namespace, own: OwnServers, prompts: list[Prompt]) -> dict:
+    """One offline engine per threads-per-rank figure of the clusters started here."""
+    longest = max(len(p.token_ids) for p in prompts)
+    out = {}
+    for t in sorted(set(own.threads.values())):
+        print(f"offline engine, {t} thread(s) ...", file=sys.stderr, flush=True)
+        out[t] = OfflineEngine(args.model, t, longest, batch_size(args), args.output_len)
+    return out
+
+
+def batch_size(args: argparse.Namespace) -> int:
+    levels = args.levels
+    return 8 if any(lv.concurrency == 8 for lv in levels) else max(lv.concurrency or 1 for lv in levels)
 
 
 def offline_comparison(args: argparse.Namespace, own: OwnServers, stats: dict, ids: dict,
-                       prompts: list[Prompt]) -> dict:
+                       prompts: list[Prompt], engines: dict) -> dict:
     """Token ids of every cluster against the reference's and the offline engine's; each
-    cluster's TTFT, TPOT and throughput against the engine offline (issue 15's ratios)."""
+    cluster's TTFT, TPOT and throughput against the engine offline (issue 15's ratios). The
+    engines ran the first level's prompts during it when that level is c=1 (interleaved); else
+    they run them now, after the servers stopped."""
     levels = args.levels
     first = levels[0]
-    single = [p.token_ids for p in prompts[:stats["reference", first]["requests"]]]
-    batch_c = 8 if any(lv.concurrency == 8 for lv in levels) else max(lv.concurrency for lv in levels)
+    batch_c = batch_size(args)
     offline = {}
-    for t in sorted(set(own.threads.values())):
-        print(f"offline engine, {t} thread(s) ...", file=sys.stderr, flush=True)
-        offline[t] = offline_figures(args.model, t, single, [p.token_ids for p in prompts[:batch_c]],
-                                     args.output_len)
+    for t, engine in engines.items():
+        if not engine.step_ms:
+            print(f"offline engine, {t} thread(s): the first level's prompts ...", file=sys.stderr, flush=True)
+            for i, p in enumerate(prompts[:stats["reference", first]["requests"]]):
+                engine.single(i, p.token_ids)
+        offline[t] = engine.batch([p.token_ids for p in prompts[:batch_c]])
 
     compared, mismatches = 0, []
 
@@ -552,7 +630,8 @@ def main() -> None:
         prompts = prompts or random_prompts(args, targets[0], n)
         for t in targets:
             warm_up(t, prompts[0], opts)
-        stats, ids = measure(args, targets, prompts, opts)
+        engines = offline_engines(args, own, prompts) if own else {}
+        stats, ids = measure(args, targets, prompts, opts, engines)
     except RuntimeError as e:
         sys.exit(f"bench/serving.py: {e}")
     finally:
@@ -560,7 +639,7 @@ def main() -> None:
             own.stop()
 
     ratios = report(args, targets, stats, "reference" if own else targets[0].name)
-    extra = offline_comparison(args, own, stats, ids, prompts) if own else {}
+    extra = offline_comparison(args, own, stats, ids, prompts, engines) if own else {}
     plot(args, targets, stats)
     wall = time.perf_counter() - t_all
     print(f"wall time: {wall:.1f} s")

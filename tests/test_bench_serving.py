@@ -9,6 +9,7 @@ import math
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,44 @@ def test_two_endpoints_side_by_side(servers, tmp_path):
     assert cluster_c1["ttft_stages_ms"]["prefill_compute"] > 0  # the cluster's prefill service reports its stages
     assert [(r["target"], r["level"]) for r in out["ratios_over_baseline"]] == [(names[1], "c=1"), (names[1], "c=4")]
     assert (tmp_path / "serving.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_one_request_at_a_time_interleaves_the_targets(servers):
+    """c=1: prompt i goes to every target (and every offline engine) before prompt i + 1, the
+    order rotating with i, never two requests at once; each target's wall time is its own
+    requests' time."""
+    import argparse
+
+    from http_load import RequestOptions, Target, probe, random_ids
+    from serving import OfflineEngine, interleaved
+
+    class Offline(OfflineEngine):  # what the round runs on an engine, with its time
+        def __init__(self):
+            self.calls = []
+
+        def single(self, index, prompt):
+            t0 = time.perf_counter()
+            time.sleep(0.01)
+            self.calls.append((index, t0, time.perf_counter()))
+
+    targets = [Target("a", servers[0]), Target("b", servers[1])]
+    for t in targets:
+        probe(t, "tiny")
+    offline = Offline()
+    prompts = random_ids(5, (8, 16), 3, 300, seed=0)
+    args = argparse.Namespace(level_timeout=60)
+    got = interleaved(args, targets, prompts, 5, RequestOptions(), {1: offline}, lambda: None)
+    spans = sorted([(r.start, r.end, name, r.index) for name, (rs, _, _) in got.items() for r in rs]
+                   + [(a, b, "offline", i) for i, a, b in offline.calls])
+    assert [(name, i) for _, _, name, i in spans] == [
+        ("a", 0), ("b", 0), ("offline", 0), ("b", 1), ("offline", 1), ("a", 1), ("offline", 2), ("a", 2), ("b", 2),
+        ("a", 3), ("b", 3), ("offline", 3), ("b", 4), ("offline", 4), ("a", 4)]
+    assert all(end <= nxt for (_, end, _, _), (nxt, _, _, _) in zip(spans, spans[1:]))  # one at a time
+    for name, (rs, _, wall) in got.items():
+        assert all(r.error is None for r in rs) and [r.index for r in rs] == list(range(5))
+        assert wall == pytest.approx(sum(r.end - r.start for r in rs))
 
 
 @pytest.mark.slow
