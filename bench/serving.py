@@ -28,8 +28,9 @@ Load (bench/http_load.py says what each figure means). Every level runs on every
 same prompts (request i of a level sends prompt i everywhere), after one warm-up request per
 target, so that the targets share the machine's noise: one request at a time (c=1) interleaves
 them request by request (prompt i on A, then on B, ...; the order rotating with i), and a level
-with more in flight runs target after target, the order rotating per level (c=8 on B, on A; ...). Closed loop: ``--concurrency`` workers; open loop:
-``--request-rate`` Poisson arrivals, seeded, the same arrival times on every target.
+with more in flight runs target after target, the order rotating per level (c=8 on B, on A; ...).
+Closed loop: ``--concurrency`` workers; open loop: ``--request-rate`` Poisson arrivals, seeded,
+the same arrival times on every target.
 ``--num-prompts`` per level (default max(8, 2 x concurrency), at least 32 at concurrency 8, or 32
 per rate; --quick max(4, concurrency), or 8 per rate); a level starts no new request after
 ``--level-timeout`` s. Requests stream, ``temperature 0``, ``max_tokens`` = the prompt's output
@@ -57,9 +58,9 @@ process with each cluster's threads per rank, no server: each first-level prompt
 = ``generate`` call → first token; step = (last − first token) / (tokens − 1)) — in the c=1
 level's rounds, next to the servers' requests for the same prompt, when that level comes first;
 else after the servers stop — then, after they stop, ``generate`` of the first 8 prompts at once
-(wall clock, prefill included). Each
-cluster's TTFT is set against the offline prefill, its TPOT against the offline step, and its
-throughput at concurrency 8 against the offline ``generate`` of 8.
+(wall clock, prefill included). Each cluster's TTFT is set against the offline prefill, its TPOT
+against the offline step, and its throughput at concurrency 8 against the offline ``generate``
+of 8.
 
 What that comparison means here. This machine has 2 CPU cores shared with other work. The
 2 + 2 cluster is 7 processes on them (4 rank processes, prefill/decode/router services); every CP/DCP
@@ -377,7 +378,7 @@ class OfflineEngine:
         from engine.model.sampler import SamplingParams
         from engine.reference import ReferenceEngine
 
-        self.threads, self.max_tokens = threads, max_tokens
+        self.threads = threads
         self.params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=())
         with self._threads():
             self.engine = ReferenceEngine(model, max_cache_tokens=max(batch, 1) * (max_prompt + max_tokens) + 64)
