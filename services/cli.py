@@ -81,7 +81,15 @@ def _serve_until_stopped(kind: str, serve, config) -> int:
     return 0
 
 
+def _start_rank_server() -> None:
+    """The process the service's ranks are forked from loads torch while this one does."""
+    from engine.parallel.group import start_rank_server
+
+    start_rank_server()
+
+
 def run_serve_prefill(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    _start_rank_server()
     from services.prefill.server import serve_prefill
 
     return _serve_until_stopped("prefill", serve_prefill, load_config("prefill", args.config,
@@ -89,6 +97,7 @@ def run_serve_prefill(args: argparse.Namespace, parser: argparse.ArgumentParser 
 
 
 def run_serve_decode(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    _start_rank_server()
     from services.decode.server import serve_decode
 
     return _serve_until_stopped("decode", serve_decode, load_config("decode", args.config,

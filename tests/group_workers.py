@@ -1,5 +1,5 @@
-"""Worker classes for tests/test_group.py. They live in their own module because the spawned
-rank processes re-import them by module path."""
+"""Worker classes for tests/test_group.py. They live in their own module because the rank
+processes import them by module path."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ class EchoWorker:
         self.ctx = ctx
         self.tag = tag
         self.calls = 0
+
+    def getenv(self, name: str) -> str | None:
+        return os.environ.get(name)
 
     def all_reduce_rank(self) -> float:
         self.calls += 1
@@ -72,6 +75,13 @@ class FailingInitWorker:
     def __init__(self, ctx: RankContext, bad_rank: int):
         if ctx.rank == bad_rank:
             raise ValueError(f"bad config on rank {ctx.rank}")
+
+
+class SlowInitWorker:
+    """Takes ``seconds`` to construct (a model that loads slowly)."""
+
+    def __init__(self, ctx: RankContext, seconds: float = 30.0):
+        time.sleep(seconds)
 
 
 class PeerLossWorker:

@@ -344,20 +344,18 @@ def test_client_disconnect_frees_rows(cluster):
 
 
 def rank_pids(service_pid: int) -> list[int]:
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline") as f:
-                cmd = f.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if ppid == service_pid and "spawn_main" in cmd:
-            out.append(int(pid))
-    return sorted(out)
+    """The service's rank processes: forked by its rank server (a forkserver, the service's child)."""
+    servers = [p for p in _descendants(service_pid) if "forkserver" in _cmdline(p)
+               and _ppid(p) == service_pid]
+    return sorted(p for p in _descendants(service_pid) if _ppid(p) in servers)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
 
 
 def health_of(address: str) -> int:
@@ -625,7 +623,7 @@ def test_sigkill_of_cpserve_up_leaves_no_cluster_process():
         else:
             pytest.fail("cpserve up exited before it was ready")
         cluster = _descendants(up.pid)
-        assert len(cluster) >= 7, cluster  # 3 services + 2 prefill ranks + 2 decode ranks
+        assert len(cluster) >= 9, cluster  # 3 services, 2 rank servers, 2 prefill ranks, 2 decode ranks
         up.kill()
         up.wait()
         deadline = time.monotonic() + 10

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.parallel.group import GroupError, WorkerGroup
-from tests.group_workers import CommWorker, EchoWorker, FailingInitWorker, PeerLossWorker
+from tests.group_workers import CommWorker, EchoWorker, FailingInitWorker, PeerLossWorker, SlowInitWorker
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,6 +86,19 @@ def test_all_reduce_on_every_rank_then_clean_shutdown(world_size, caplog):
     group.shutdown()  # idempotent
     with pytest.raises(GroupError, match="shut down"):
         group.call("all_reduce_rank")
+
+
+@pytest.mark.timeout(60)
+def test_ranks_take_the_drivers_environment_as_it_is_when_the_group_starts(monkeypatch):
+    # ranks are forked from a rank server started earlier (with the environment of then):
+    # a variable set since must reach them, one removed since must not
+    with WorkerGroup(1, EchoWorker, name="env-before"):
+        pass
+    monkeypatch.setenv("CPSERVE_TEST_RANK_ENV", "set after the rank server started")
+    monkeypatch.delenv("HOME", raising=False)  # set since before the rank server started (CI: root's)
+    with WorkerGroup(2, EchoWorker, name="env-after") as group:
+        assert group.call("getenv", "CPSERVE_TEST_RANK_ENV") == ["set after the rank server started"] * 2
+        assert group.call("getenv", "HOME") == [None, None]
 
 
 @pytest.fixture(scope="module")
@@ -276,16 +289,16 @@ def test_constructor_failure_is_reported_at_start():
 
 @pytest.mark.timeout(60)
 def test_start_up_timeout_fails_the_group():
-    group = WorkerGroup(1, EchoWorker, name="slow")
+    group = WorkerGroup(1, SlowInitWorker, name="slow")
     with pytest.raises(GroupError, match="start-up timed out") as info:
-        group.ready(timeout_s=0.2)  # a rank needs seconds just to import torch
+        group.ready(timeout_s=0.5)
     assert info.value.rank is None
     assert wait_all_gone(group.pids, timeout_s=1.0) == []
 
 
 @pytest.mark.timeout(60)
 def test_group_started_and_stopped_from_other_threads():
-    # PR_SET_PDEATHSIG fires when the spawning *thread* exits; it must not be armed there.
+    # a group started and stopped from threads that end (the ranks outlive the starting thread)
     groups = []
 
     def start():

@@ -65,8 +65,8 @@ def _under_ray_worker(pid: int) -> bool:
 
 
 def _service_processes() -> set[int]:
-    """cpserve / multiprocessing-spawn processes whose ancestor is a Ray worker (wherever they are)."""
-    return {pid for pid in _pids() if pid != os.getpid() and ("cpserve" in _cmdline(pid) or "spawn_main" in
+    """cpserve processes and their rank servers and ranks (forkserver) whose ancestor is a Ray worker (wherever they are)."""
+    return {pid for pid in _pids() if pid != os.getpid() and ("cpserve" in _cmdline(pid) or "forkserver" in
                                                                _cmdline(pid)) and _under_ray_worker(pid)}
 
 
