@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 
 
 START_TIMEOUT_S = 600  # a real model's load; `--start-timeout-s` overrides
@@ -80,10 +81,31 @@ class Child:
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> str:
         self._ready.wait(timeout_s)
         if self.address is None:
-            self.stop()
-            tail = "".join(self.lines[-15:])
-            raise RuntimeError(f"the {self.kind} service did not start (exit {self.proc.poll()}):\n{tail}")
+            self._failed()
         return self.address
+
+    def settled(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the process to become ready or end; whether it has."""
+        return self._ready.wait(timeout_s)
+
+    def check_starting(self) -> None:
+        """Raise (as ``wait_ready`` does) if the process has already ended without becoming ready."""
+        if self._ready.is_set() and self.address is None:
+            self._failed()
+
+    def tell(self, line: str) -> None:
+        """Write one line to the process's stdin (e.g. the router's ``--backends-from-stdin``)."""
+        try:
+            self.proc.stdin.write(line.rstrip("\n") + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            self._ready.wait(5)  # the output up to its exit
+            self._failed()
+
+    def _failed(self) -> typing.NoReturn:
+        self.stop()
+        tail = "".join(self.lines[-15:])
+        raise RuntimeError(f"the {self.kind} service did not start (exit {self.proc.poll()}):\n{tail}")
 
     def signal_stop(self) -> None:
         """Ask the process to stop (SIGTERM) without waiting."""
@@ -260,8 +282,8 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
             ("--kv-cache-memory", args.kv_cache_memory), ("--threads-per-rank", threads["decode"])]),
             quiet, env=env)
         children.append(decode)
-        timeout = args.start_timeout_s
-        p_addr, d_addr = prefill.wait_ready(timeout), decode.wait_ready(timeout)
+        # the router starts with the engines: it imports, checks its flags and loads the tokenizer
+        # while they load their models, then gets their addresses on stdin
         router = Child("router", common + _flags([("--port", port), ("--grpc-port", grpc_port),
                                                   ("--api-key", args.api_key),
                                                   ("--api-key-file", args.api_key_file),
@@ -271,9 +293,16 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
                                                   ("--chat-template", args.chat_template),
                                                   ("--generation-config", args.generation_config),
                                                   ("--max-model-len", args.max_model_len)])
-                       + ["--prefill", p_addr, "--decode", d_addr], quiet, env=env)
+                       + ["--backends-from-stdin"], quiet, env=env)
         children.append(router)
-        router.wait_ready(timeout)
+        deadline = time.monotonic() + args.start_timeout_s
+        addresses = []
+        for engine in (prefill, decode):
+            while not engine.settled(0.2) and time.monotonic() < deadline:
+                router.check_starting()  # a bad router flag fails now, not after the models load
+            addresses.append(engine.wait_ready(max(0.0, deadline - time.monotonic())))
+        router.tell(json.dumps({"prefill": [addresses[0]], "decode": [addresses[1]]}))
+        router.wait_ready(args.start_timeout_s)
         return children
     except BaseException:
         stop_cluster(children)

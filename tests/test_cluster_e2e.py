@@ -16,6 +16,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from unittest import mock
 import torch
 
 from engine.model.sampler import SamplingParams
@@ -150,6 +151,27 @@ def check_sampling_outputs(client, model: str) -> None:
     expect = ref_seq(model, p[:50], max_new_tokens=8, logit_bias=tuple(bias.items()),
                      stop_token_ids=(plain[0], *_REF[model].cfg.eos_token_ids), **pen).output_ids
     assert r.choices[0].token_ids == expect and expect != plain[: len(expect)]
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_router_flag_fails_the_cluster_start_naming_the_field():
+    """The router starts alongside the engine services and checks its flags while they load: a
+    bad one ends the start, naming the field, and leaves no process behind."""
+    import subprocess
+
+    seen: list = []
+    real = subprocess.Popen
+
+    def record(*a, **kw):
+        seen.append(real(*a, **kw))
+        return seen[-1]
+
+    with mock.patch.object(subprocess, "Popen", record):
+        with pytest.raises(RuntimeError, match="router service did not start") as info:
+            start_cluster(cluster_args(max_model_len=10**9), 0, None, quiet=True)
+    assert "max_model_len" in str(info.value)
+    assert [c.args[4] for c in seen] == ["prefill", "decode", "router"]
+    assert all(c.poll() is not None for c in seen), "a service outlived the failed start"
 
 
 @pytest.mark.timeout(600)

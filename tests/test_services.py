@@ -47,6 +47,7 @@ def greedy(max_new_tokens=MAX_NEW, **kw):
 
 class Client:
     def __init__(self, prefill_port: int, decode_port: int):
+        self.ports = (prefill_port, decode_port)
         self.channels = [grpc.insecure_channel(f"127.0.0.1:{p}", options=CHANNEL_OPTIONS)
                          for p in (prefill_port, decode_port)]
         self.prefill = prefill_pb2_grpc.PrefillStub(self.channels[0])
@@ -670,3 +671,55 @@ def test_kv_port_range_is_checked_where_mooncake_would_ignore_it(spec, why):
     with pytest.raises(ConfigError, match=f"decode.kv_port_range: .*{re.escape(why)}"):
         load_config("decode", None, {"kv_port_range": spec})
     assert load_config("prefill", None, {"kv_port_range": "20000-20099"}).kv_port_range == "20000-20099"
+
+
+def _router_from_stdin(extra: list[str] = ()) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "cpserve.cli", "serve", "router", "--port", "0", "--no-grpc",
+                             "--backends-from-stdin", *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.timeout(120)
+def test_router_takes_its_service_addresses_from_stdin_once_its_model_files_are_loaded(services, reference):
+    """`cpserve up` starts the router with the engines; it learns their addresses on stdin."""
+    from services.up import stream_completion
+
+    proc = _router_from_stdin()
+    try:
+        time.sleep(0.5)
+        assert proc.poll() is None  # waiting for the addresses, serving nothing yet
+        proc.stdin.write('{"prefill": ["127.0.0.1:%d"], "decode": ["127.0.0.1:%d"]}\n' % services.ports)
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        assert line.startswith("serving router on 127.0.0.1:"), line + proc.stderr.read()
+        ids, _, _ = stream_completion(line.split()[-1], {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": MAX_NEW,
+                                                         "temperature": 0, "ignore_eos": True})
+        assert ids == expected(reference, [5, 6, 7])  # through the services it was told of
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stdin, extra, message", [
+    ("not json\n", [], "--backends-from-stdin: expected one JSON line"),
+    ("", [], "--backends-from-stdin: stdin closed before the service addresses came"),
+    # a bad flag is reported before any address comes (stdin is never read)
+    (None, ["--max-model-len", "999999999"], "max_model_len"),
+])
+def test_router_from_stdin_reports_bad_input_by_name(stdin, extra, message):
+    proc = _router_from_stdin(extra)
+    try:
+        if stdin is not None:
+            proc.stdin.write(stdin)
+            proc.stdin.close()
+        assert proc.wait(30) != 0
+        err = proc.stderr.read()
+        assert message in err and "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -72,6 +72,7 @@ import sys
 import threading
 import time
 import traceback
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,10 +299,13 @@ def _rank_main(rank: int, world_size: int, port: int, conn: multiprocessing.conn
     # finalisation, ~0.5 s here with torch loaded), which every group stop would wait for.
     # The shared-memory segment is already unlinked (engine/parallel/comm.py); the OS closes
     # the sockets, including those of a transfer engine closed with at_exit=True.
-    _exit_now(0)
+    exit_now(0)
 
 
-def _exit_now(code: int) -> None:
+def exit_now(code: int) -> typing.NoReturn:
+    """End this process now, without the interpreter's teardown (module and thread finalisation:
+    ~0.5 s with torch loaded), once everything that matters is closed: runs what a
+    multiprocessing process runs as it ends, flushes logging and stdio, then ``os._exit``."""
     # what a multiprocessing child runs as it ends (finalisers: e.g. unlinking a semaphore
     # tqdm made, which the resource tracker would otherwise report as leaked), then the flushes
     multiprocessing.util._exit_function()

@@ -13,7 +13,7 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import uvicorn
 
@@ -36,7 +36,18 @@ from services.router.params import ModelContext
 logger = logging.getLogger("cpserve.router")
 
 
-def model_context(config: RouterConfig, cluster: Cluster) -> ModelContext:
+@dataclass(frozen=True)
+class ModelFiles:
+    """What the router reads from the checkpoint: its config, the length limit, the tokenizer."""
+
+    cfg: Any
+    max_len: int
+    tokenizer: Any
+
+
+def load_model_files(config: RouterConfig) -> ModelFiles:
+    """The model files the router serves with; errors name the flag. (`cpserve serve router
+    --backends-from-stdin` loads them before it knows the services' addresses.)"""
     from engine.model.config import ModelConfig, ModelConfigError
     from engine.model.tokenizer import load_tokenizer
 
@@ -48,6 +59,12 @@ def model_context(config: RouterConfig, cluster: Cluster) -> ModelContext:
                                    f"max_position_embeddings ({max_len})")
         max_len = config.max_model_len
     tokenizer = load_tokenizer(config.model, config.tokenizer, config.trust_remote_code, config.chat_template)
+    return ModelFiles(cfg, max_len, tokenizer)
+
+
+def model_context(config: RouterConfig, cluster: Cluster, files: ModelFiles | None = None) -> ModelContext:
+    files = files or load_model_files(config)
+    cfg, max_len, tokenizer = files.cfg, files.max_len, files.tokenizer
     return ModelContext(name=config.model_name, tokenizer=tokenizer,
                         vocab_size=cfg.vocab_size, eos_token_ids=tuple(cfg.eos_token_ids),
                         max_positions=max_len, capacity_tokens=cluster.capacity_tokens,
@@ -72,9 +89,11 @@ class RouterHandle:
 
 
 def serve_router(config: RouterConfig, prefill_clients: list[PrefillClient] | None = None,
-                 decode_clients: list[DecodeClient] | None = None, start_timeout_s: float = 60.0) -> RouterHandle:
+                 decode_clients: list[DecodeClient] | None = None, start_timeout_s: float = 60.0,
+                 model_files: ModelFiles | None = None) -> RouterHandle:
     """Start the router in a background thread. ``*_clients`` replace the gRPC clients (tests);
-    by default one gRPC client per configured address."""
+    by default one gRPC client per configured address. ``model_files``: already loaded for
+    ``config`` (else loaded here)."""
     plane = rpc.service_plane(config)  # bad credential files: a ConfigError naming the field, now
     api_key = config.api_key or read_secret(API_KEY_ENV, config.api_key_file, "api_key_file")
     config = config.model_copy(update={"api_key": api_key})
@@ -85,7 +104,7 @@ def serve_router(config: RouterConfig, prefill_clients: list[PrefillClient] | No
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(_serve(config, plane, prefill_clients, decode_clients, box, ready))
+            loop.run_until_complete(_serve(config, plane, prefill_clients, decode_clients, box, ready, model_files))
         except BaseException as e:  # reported to the starting thread if start-up failed
             box.setdefault("error", e)
             ready.set()
@@ -122,14 +141,14 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, decode_clients, box: dict,
-                 ready: threading.Event) -> None:
+                 ready: threading.Event, model_files: ModelFiles | None = None) -> None:
     prefills = prefill_clients or [GrpcPrefillClient(a, plane) for a in config.prefill]
     decodes = decode_clients or [GrpcDecodeClient(a, plane) for a in config.decode]
     cluster = Cluster([c.address for c in prefills], [c.address for c in decodes])
     metrics = RouterMetrics(config.model_name)
     p_clients = {c.address: c for c in prefills}
     d_clients = {c.address: c for c in decodes}
-    ctx = model_context(config, cluster)
+    ctx = model_context(config, cluster, model_files)
     dispatcher = Dispatcher(cluster, p_clients, d_clients, metrics, max_retries=config.max_retries,
                             request_timeout_s=config.request_timeout_s, rpc_timeout_s=config.rpc_timeout_s,
                             admission=Admission(config.max_waiting, config.max_wait_s))
