@@ -33,6 +33,7 @@ from services.router.server import listen_socket, serve_router
 from services.router.stages import TTFT_STAGES
 from services.router.textstream import TextAssembler
 from engine.model.tokenizer import load_tokenizer
+from tests.processes import cli_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -1314,7 +1315,6 @@ def test_router_config_from_yaml_and_cli_serve_router(tmp_path):
     import os
     import signal
     import subprocess
-    import sys
 
     import yaml
 
@@ -1331,11 +1331,9 @@ def test_router_config_from_yaml_and_cli_serve_router(tmp_path):
     with pytest.raises(ConfigError, match="router.max_retries"):
         load_config("router", path, {"max_retries": -1})
 
-    proc = subprocess.Popen([sys.executable, "-m", "cpserve.cli", "serve", "router", "--config", str(path),
-                             "--decode", "127.0.0.1:3,127.0.0.1:4", "--health-interval-s", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ,
-                                                                                             "CPSERVE_API_KEY": "k"})
-    try:
+    with cli_process(["serve", "router", "--config", str(path), "--decode", "127.0.0.1:3,127.0.0.1:4",
+                      "--health-interval-s", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     env={**os.environ, "CPSERVE_API_KEY": "k"}) as proc:
         address = next(line.split()[-1] for line in proc.stdout if line.startswith("serving router on "))
         health = httpx.get(f"http://{address}/health", timeout=10, trust_env=False)
         assert health.status_code == 503
@@ -1345,10 +1343,6 @@ def test_router_config_from_yaml_and_cli_serve_router(tmp_path):
         assert httpx.get(f"http://{address}/v1/models", timeout=10, trust_env=False).status_code == 401
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 # ---- the checkpoint's tokenizer, chat template and limits --------------------------------------

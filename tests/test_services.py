@@ -29,6 +29,7 @@ from services.common.rpc import CHANNEL_OPTIONS, QueueFull, ServiceUnavailable
 from services.decode.server import serve_decode
 from services.prefill.server import serve_prefill
 from services.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.processes import cli_process
 
 RPC_S = 30  # deadline of every call
 MAX_NEW = 16
@@ -612,10 +613,7 @@ def test_cli_serve_decode_prints_its_address_and_stops_on_sigterm(tmp_path):
     from engine.parallel.threads import usable_cores
 
     argv = ["serve", "decode", "--dcp", "2", "--port", "0", "--max-cache-tokens", "1024"]
-    log = (tmp_path / "stderr").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "cpserve.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=log, text=True)
-    try:
+    with (tmp_path / "stderr").open("w") as log, cli_process(argv, stdout=subprocess.PIPE, stderr=log) as proc:
         line = proc.stdout.readline()
         assert line.startswith("serving decode on 127.0.0.1:"), line
         port = int(line.rsplit(":", 1)[1])
@@ -624,11 +622,6 @@ def test_cli_serve_decode_prints_its_address_and_stops_on_sigterm(tmp_path):
             assert s.dcp == 2 and s.serving
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
     # it says how many threads each rank got: usable cores ÷ its 2 ranks
     threads = max(1, usable_cores() // 2)
     assert f"decode: 2 rank(s) × {threads} thread(s) per rank on {usable_cores()} usable core(s) (picked" in \
@@ -673,10 +666,9 @@ def test_kv_port_range_is_checked_where_mooncake_would_ignore_it(spec, why):
     assert load_config("prefill", None, {"kv_port_range": "20000-20099"}).kv_port_range == "20000-20099"
 
 
-def _router_from_stdin(extra: list[str] = ()) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cpserve.cli", "serve", "router", "--port", "0", "--no-grpc",
-                             "--backends-from-stdin", *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _router_from_stdin(extra: list[str] = ()):
+    return cli_process(["serve", "router", "--port", "0", "--no-grpc", "--backends-from-stdin", *extra],
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 @pytest.mark.timeout(120)
@@ -684,8 +676,7 @@ def test_router_takes_its_service_addresses_from_stdin_once_its_model_files_are_
     """`cpserve up` starts the router with the engines; it learns their addresses on stdin."""
     from services.up import stream_completion
 
-    proc = _router_from_stdin()
-    try:
+    with _router_from_stdin() as proc:
         time.sleep(0.5)
         assert proc.poll() is None  # waiting for the addresses, serving nothing yet
         proc.stdin.write('{"prefill": ["127.0.0.1:%d"], "decode": ["127.0.0.1:%d"]}\n' % services.ports)
@@ -697,10 +688,6 @@ def test_router_takes_its_service_addresses_from_stdin_once_its_model_files_are_
         assert ids == expected(reference, [5, 6, 7])  # through the services it was told of
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.timeout(60)
@@ -711,15 +698,10 @@ def test_router_takes_its_service_addresses_from_stdin_once_its_model_files_are_
     (None, ["--max-model-len", "999999999"], "max_model_len"),
 ])
 def test_router_from_stdin_reports_bad_input_by_name(stdin, extra, message):
-    proc = _router_from_stdin(extra)
-    try:
+    with _router_from_stdin(extra) as proc:
         if stdin is not None:
             proc.stdin.write(stdin)
             proc.stdin.close()
         assert proc.wait(30) != 0
         err = proc.stderr.read()
         assert message in err and "Traceback" not in err, err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
