@@ -256,7 +256,7 @@ def test_cpserve_up_passes_the_serving_flags_to_its_services(monkeypatch):
     import services.up as up
     from cpserve.cli import build_parser
 
-    started = {}
+    started, told = {}, {}
 
     class Fake:
         def __init__(self, kind, argv, quiet=False, env=None):
@@ -265,6 +265,15 @@ def test_cpserve_up_passes_the_serving_flags_to_its_services(monkeypatch):
 
         def wait_ready(self, timeout):
             return "127.0.0.1:1"
+
+        def settled(self, timeout):
+            return True
+
+        def check_starting(self):
+            pass
+
+        def tell(self, line):
+            told[self.kind] = line
 
         def stop(self):
             pass
@@ -275,6 +284,7 @@ def test_cpserve_up_passes_the_serving_flags_to_its_services(monkeypatch):
     up.start_cluster(args, 0)
     parser = build_parser()
     router = parser.parse_args(["serve", "router", *started["router"]])
+    assert router.backends_from_stdin and told == {"router": '{"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:1"]}'}
     assert (router.tokenizer, router.trust_remote_code, router.chat_template, router.generation_config,
             router.max_model_len) == ("/tok", True, "/t.jinja", "none", 99)
     for kind in ("prefill", "decode"):
