@@ -70,7 +70,7 @@ _TIMER_ENV = "CPSERVE_DCP_BENCH_TIMERS"
 _COLLECTIVES = ("all_gather_single", "all_to_all_single", "reduce_scatter_single", "all_reduce")
 
 
-# ---- rank-side instrumentation (installed only in spawned rank processes) ---------------------
+# ---- rank-side instrumentation (installed only in the rank processes) ------------------------
 def _install_rank_timers() -> None:
     """Exclusive wall-clock timers around the collectives and the attention pieces of a DCP rank,
     plus two inspection methods on DecodeRank (``bench_timers``, ``bench_ping``)."""
@@ -157,7 +157,7 @@ def _install_rank_timers() -> None:
     dcp.DecodeRank.bench_comm = bench_comm
 
 
-if os.environ.get(_TIMER_ENV) == "1" and __name__ != "__main__":  # a spawned rank re-importing us
+if os.environ.get(_TIMER_ENV) == "1" and __name__ != "__main__":  # a rank importing us as its main module
     _install_rank_timers()
 
 
@@ -246,8 +246,8 @@ class ReplayPrefill:
 
 # ---- engines ----------------------------------------------------------------------------------
 def start_engines(specs: list[tuple[str, dict]], log, tag: str) -> dict:
-    """Start DCPDecodeEngines in parallel threads (group start-up is mostly process spawn and
-    imports; overlapping it roughly halves the wait). Returns {name: engine}."""
+    """Start DCPDecodeEngines in parallel threads (overlapping their start-ups shortens the
+    wait). Returns {name: engine}."""
     from concurrent.futures import ThreadPoolExecutor
 
     from engine.decode_engine import DCPDecodeEngine
@@ -560,7 +560,8 @@ def main() -> None:
         if m not in MODELS:
             p.error(f"--models: unknown {m!r}; expected dense and/or dsa")
 
-    os.environ[_TIMER_ENV] = "1"  # inherited by the spawned ranks (see _install_rank_timers)
+    # before any group starts: the rank server, and so every rank, inherits it (_install_rank_timers)
+    os.environ[_TIMER_ENV] = "1"
     import torch
 
     torch.set_num_threads(1)

@@ -6,8 +6,8 @@ The checkpoint is a deepseek_v3-family model with random weights (seeded) whose 
 attention (8 heads, LoRA ranks 256) and a 4,096-token vocabulary; 2.49 GB in bf16 (--quick: 3
 layers of 32 experts x 512 and a 2,048-token vocabulary, 0.33 GB, 91% experts). It is written
 shard by shard (one safetensors file per layer) by ``bench/load.py``'s ``make_checkpoints``, in
-the driver: the ranks are spawned (``WorkerGroup`` uses the spawn context), so they inherit none
-of the driver's memory.
+the driver: the ranks are forked from the rank server (a separate process that has imported torch,
+not the driver), so they inherit none of the driver's memory.
 
 Each configuration (service x C x ``moe_parallel``: ep at C = 1, 2, 4; replicate at C = 2, and
 at C = 4 in the full run; C = 1 is the same for both) starts a real group, one group at a time:

@@ -258,7 +258,7 @@ def flop_estimate(cfg, n: int) -> dict:
 
 
 def start_prefill_engines(specs: dict[str, dict]) -> dict:
-    """Start CPPrefillEngines in parallel threads (start-up is mostly spawn and imports)."""
+    """Start CPPrefillEngines in parallel threads (their start-ups overlap)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from engine.prefill_engine import CPPrefillEngine
