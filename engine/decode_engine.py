@@ -8,6 +8,7 @@ service receives them from the prefill service through the KV-transfer layer ins
 from __future__ import annotations
 
 import collections
+from typing import Callable
 
 import torch
 
@@ -110,6 +111,11 @@ class DCPDecodeEngine(Engine):
         self.lookahead = pipelined and lookahead
         self.reservations = ReservationTable(self.scheduler, lease_s, write_lease_s,
                                              lambda src, dst: self.quiesced("copy_slots", src, dst))
+        # Where a pipelined step would block on the ranks, it calls this (if set) with the fds
+        # to wait on and whether it still waits: the decode service's loop runs the commands
+        # that arrive meanwhile (Reserve, BeginWrite, a new stream) and returns once one of the
+        # fds is readable, or no step is in flight any more (a command ran ``quiesced``).
+        self.while_ranks_compute: Callable[[list[int], Callable[[], bool]], None] | None = None
         self.endpoints = tuple(self.group.call("endpoint")) if kv_transport else ()
 
     # ---- the KV hand-off (decode side) ---------------------------------------------------
@@ -159,7 +165,7 @@ class DCPDecodeEngine(Engine):
             ahead = self.scheduler.lookahead_plan(self._plans[0])
             if ahead is not None:  # the ranks go on to it without waiting for this driver
                 self._submit(ahead)
-        self._collect()
+        self._collect(serve=True)
         events, self._stashed = self._stashed, []
         if self._plans:  # the step planned ahead is running
             return events
@@ -176,9 +182,15 @@ class DCPDecodeEngine(Engine):
         self._plans.append(plan)
         self.scheduler.in_flight = frozenset(it.req_id for p in self._plans for it in p.items)
 
-    def _collect(self) -> None:
+    def _collect(self, serve: bool = False) -> None:
         """Collect the oldest step in flight, if any, and apply its tokens (their events wait
-        in ``_stashed`` for the next ``step``)."""
+        in ``_stashed`` for the next ``step``). ``serve``: wait in ``while_ranks_compute``
+        first (where it is set)."""
+        if serve and self._plans and self.while_ranks_compute is not None:
+            # commands run here as they do between steps: the plans in flight are planned and
+            # their requests held (``in_flight``); a command that needs the ranks (``quiesced``)
+            # collects them itself
+            self.while_ranks_compute(self.group.answer_fds(), lambda: bool(self._plans))
         if self._plans:
             self._plans.popleft()
             self._stashed += self.scheduler.apply(self.runner.collect())

@@ -7,6 +7,8 @@
   written;
 - ``write_fail_rate``: each batched KV transfer write fails with this probability, after half
   of its ranges have landed (a partial write, as a broken link leaves one);
+- ``decode_step_delay_s``: each decode rank sleeps this long after each decode step (a slow
+  step: the window in which the decode service's commands arrive while its ranks compute);
 - ``seed``: the random stream of the failures (mixed with the process id, so ranks differ).
 
 Read once per process from the environment, so a cluster started with it set passes it to
@@ -26,6 +28,7 @@ ENV = "CPSERVE_FAULTS"
 @dataclass
 class Faults:
     layer_delay_s: float = 0.0
+    decode_step_delay_s: float = 0.0
     write_fail_rate: float = 0.0
     seed: int = 0
     rng: random.Random = field(default_factory=random.Random, repr=False)
@@ -35,8 +38,9 @@ class Faults:
         kw: dict = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, sep, value = part.partition("=")
-            if not sep or key not in ("layer_delay_s", "write_fail_rate", "seed"):
-                raise ValueError(f"{ENV}: {part!r} is not one of layer_delay_s=S, write_fail_rate=P, seed=N")
+            if not sep or key not in ("layer_delay_s", "decode_step_delay_s", "write_fail_rate", "seed"):
+                raise ValueError(f"{ENV}: {part!r} is not one of layer_delay_s=S, decode_step_delay_s=S, "
+                                 "write_fail_rate=P, seed=N")
             kw[key] = int(value) if key == "seed" else float(value)
         faults = cls(**kw)
         faults.rng.seed(faults.seed * 1_000_003 + os.getpid())
@@ -45,6 +49,10 @@ class Faults:
     def after_layer(self) -> None:
         if self.layer_delay_s > 0:
             time.sleep(self.layer_delay_s)
+
+    def after_decode_step(self) -> None:
+        if self.decode_step_delay_s > 0:
+            time.sleep(self.decode_step_delay_s)
 
     def write_fails(self) -> bool:
         return self.write_fail_rate > 0 and self.rng.random() < self.write_fail_rate

@@ -447,6 +447,43 @@ def test_abort_while_writing_waits_for_end_write(services):
     assert not services.decode.EndWrite(ref, timeout=RPC_S).found
 
 
+@pytest.mark.timeout(120)
+def test_decode_answers_reserve_while_its_ranks_compute_a_step(monkeypatch, reference):
+    """Reserve (and BeginWrite, EndWrite, a new stream) run while the ranks compute, not at the
+    step's end: with every decode step made 0.6 s long, a Reserve sent just after a token
+    arrives (a step has just started) is answered long before that step ends."""
+    delay = 0.6
+    monkeypatch.setenv("CPSERVE_FAULTS", f"decode_step_delay_s={delay}")  # the ranks take it at start
+    pre = dec = client = None
+    try:
+        dec = serve_decode(DecodeConfig(dcp=1, port=0, max_cache_tokens=2048, lease_s=30))
+        pre = serve_prefill(PrefillConfig(cp=1, port=0, max_cache_tokens=2048))
+        client = Client(pre[1], dec[1])
+        prompt, sampling = prompts()[0], greedy(6)
+        dest = client.reserve(len(prompt), 6)
+        first = client.prefill_to(prompt, dest, sampling)
+        tokens, waits = [first.first_token], []
+        for ev in client.generate(dest, prompt, first, sampling):
+            if ev.WhichOneof("event") != "token":
+                continue
+            tokens.append(ev.token.id)
+            if len(waits) < 3:
+                t0 = time.perf_counter()
+                other = client.reserve(8, 4)
+                waits.append(time.perf_counter() - t0)
+                ref = decode_pb2.ReservationRef(reservation_id=other.reservation_id)
+                assert client.decode.Abort(ref, timeout=RPC_S).freed
+        assert tokens == expected(reference, prompt, 6)
+        assert sorted(waits)[1] < delay / 2, f"Reserve waited {waits} s with {delay} s decode steps"
+        assert client.wait_rows_free().reservations == 0
+    finally:
+        if client is not None:
+            client.close()
+        for s in (pre, dec):
+            if s is not None:
+                s[2]()
+
+
 @pytest.mark.timeout(60)
 def test_full_cache_is_resource_exhausted(services):
     held = services.reserve(4100, 100)  # the prompt's 129 of the 256 pages (32 tokens each at dcp 2)
@@ -581,6 +618,55 @@ def test_engine_loop_bounds_its_queue_and_fails_cleanly():
         loop.stop()
     with pytest.raises(ServiceUnavailable):
         loop.submit(lambda e: 1)
+
+
+def test_engine_loop_serves_commands_while_a_tick_waits_on_its_ranks():
+    """A tick that would block on its ranks calls serve_until(fds): commands submitted
+    meanwhile run at once on the loop thread, and the tick goes on once an fd is readable."""
+    r, w = os.pipe()
+    events = []
+
+    def tick(e):
+        events.append("wait")
+        loop.serve_until([r], lambda: e["in_flight"])
+        if e["in_flight"]:
+            os.read(r, 1)
+        events.append("answered")
+        e["work"] = False
+
+    engine = {"work": False, "in_flight": True}
+    loop = EngineLoop(engine, "test", 4, on_failure=lambda m: None, has_work=lambda e: e["work"], tick=tick)
+    try:
+        loop.call(lambda e: e.update(work=True))  # the next tick waits in serve_until
+        deadline = time.monotonic() + 5
+        while events != ["wait"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events == ["wait"]
+        threads = []
+        assert loop.call(lambda e: threads.append(threading.current_thread()) or "ran", timeout_s=5) == "ran"
+        assert events == ["wait"] and threads == [loop._thread]  # inside the tick, on the loop thread
+        os.write(w, b"x")
+        deadline = time.monotonic() + 5
+        while len(events) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events == ["wait", "answered"] and loop.call(lambda e: e["work"], timeout_s=5) is False
+        # a command that collects the answers itself (the decode engine's ``quiesced``) ends the wait
+        events.clear()
+        loop.call(lambda e: e.update(work=True))
+        deadline = time.monotonic() + 5
+        while events != ["wait"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loop.call(lambda e: e.update(in_flight=False), timeout_s=5)
+        deadline = time.monotonic() + 5
+        while len(events) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events == ["wait", "answered"]
+        with pytest.raises(RuntimeError, match="engine thread"):
+            loop.serve_until([r])
+    finally:
+        loop.stop()
+        os.close(r)
+        os.close(w)
 
 
 def test_engine_loop_snapshot_is_fresh_when_a_caller_hears_back():

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from engine.cache.gather import RowGatherer, fused_decode_attention
 from engine.cache.kvformat import KVFormat
 from engine.cache.pool import resident_bytes, zeroed
+from engine.faults import faults
 from engine.handoff import RankEndpoint, kv_backend
 from engine.model.attention import merge_partials, topk_mask, topk_select
 from engine.model.batch import ForwardBatch, RequestView
@@ -340,6 +341,7 @@ class DecodeRank:
         self.last_tokens = {plan.items[b].req_id: t for b, t in tokens.items()}
         if self.rank == 0:
             result = {it.req_id: tokens[b] if b in tokens else logits[b] for b, it in enumerate(plan.items)}
+        faults().after_decode_step()
         return result, time.perf_counter() - t0
 
     # ---- inspection (call_rank: no collectives) -----------------------------------------

@@ -136,14 +136,14 @@ def dumps(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _readable(fds: list[int], timeout_s: float) -> set[int]:
-    """Which of ``fds`` are readable or hung up within ``timeout_s``: one poll(2). (What
-    multiprocessing.connection.wait does, without the selector object it builds each call: a
-    decode step's collect is one or two of these.)"""
+def readable(fds: list[int], timeout_s: float | None) -> set[int]:
+    """Which of ``fds`` are readable or hung up within ``timeout_s`` (None: no limit): one
+    poll(2). (What multiprocessing.connection.wait does, without the selector object it builds
+    each call: a decode step's collect is one or two of these.)"""
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
-    return {fd for fd, _ in poller.poll(timeout_s * 1e3)}
+    return {fd for fd, _ in poller.poll(None if timeout_s is None else timeout_s * 1e3)}
 
 
 class GroupError(RuntimeError):
@@ -563,6 +563,12 @@ class WorkerGroup:
         """A submitted call's answers are still to be collected."""
         return bool(self._pending)
 
+    def answer_fds(self) -> list[int]:
+        """What ``collect`` waits on: every rank's pipe and process sentinel. Once one of them
+        is readable, the oldest submitted call has answers (the ranks of a step end together,
+        in its last collective) or a rank has died (``collect`` says which)."""
+        return [conn.fileno() for conn in self._ranks.conns] + [p.sentinel for p in self._ranks.processes]
+
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on one rank only; the method must not use collectives."""
         if not 0 <= rank < self.world_size:
@@ -655,7 +661,7 @@ class WorkerGroup:
                 if self._closed:
                     raise ValueError("closed")
                 fds = {conns[r].fileno(): r for r in pending}
-                ready = _readable([*fds, *sentinels], _POLL_S)
+                ready = readable([*fds, *sentinels], _POLL_S)
                 answered = {fds[fd] for fd in ready if fd in fds}
             except (OSError, ValueError):  # shutdown() closed the pipes under us
                 self._fail(None, f"worker group {self.name!r} was shut down during {what}")

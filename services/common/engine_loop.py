@@ -9,7 +9,10 @@ only futures, per-request queues and :attr:`snapshot` (replaced whole, never mut
 
 Between commands the loop calls ``tick(engine)`` while ``has_work(engine)`` is true (the decode
 service's step + deliver). When idle it checks every ``idle_s`` that the rank group is alive
-and calls ``idle(engine)`` (e.g. expire reservations).
+and calls ``idle(engine)`` (e.g. expire reservations). A tick that would block on its ranks
+may call :meth:`EngineLoop.serve_until` instead (the decode engine's ``while_ranks_compute``):
+the commands that arrive while the ranks compute run at once, on this same thread, rather than
+at the end of the step.
 
 Failure: a ``GroupError`` from a command or a tick means the rank group is dead. The loop then
 fails every queued command with ``ServiceUnavailable``, calls ``on_failure(message)`` once (health
@@ -19,13 +22,14 @@ fails every queued command with ``ServiceUnavailable``, calls ``on_failure(messa
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from engine.parallel.group import GroupError
+from engine.parallel.group import GroupError, readable
 from services.common.rpc import QueueFull, ServiceUnavailable
 
 logger = logging.getLogger("cpserve.services")
@@ -43,6 +47,8 @@ class EngineLoop:
         self._on_failure, self._has_work, self._tick, self._idle = on_failure, has_work, tick, idle
         self._make_snapshot, self._idle_s, self._on_stop = snapshot, idle_s, on_stop
         self._commands: queue.Queue[tuple[Command, Future | None, bool] | None] = queue.Queue()
+        # rung after each put: serve_until waits on it beside the ranks' pipes
+        self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._lock = threading.Lock()
         self._queued_admissions = 0
         self.failure: str | None = None
@@ -71,7 +77,7 @@ class EngineLoop:
                     raise QueueFull(f"{self.name}: {self._queued_admissions} requests queued (max_queue "
                                     f"{self.max_queue}); retry later")
                 self._queued_admissions += 1
-            self._commands.put((fn, fut, admit))
+            self._put((fn, fut, admit))
         return fut
 
     def call(self, fn: Command, admit: bool = False, timeout_s: float | None = None) -> Any:
@@ -81,13 +87,20 @@ class EngineLoop:
         """Fire and forget (e.g. abort a cancelled stream); dropped when the loop is not running."""
         with self._lock:
             if not self._closed and not self._stopping:
-                self._commands.put((fn, None, False))
+                self._put((fn, None, False))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Finish the command in flight, fail the queued ones, stop the thread. Idempotent."""
         self._stopping = True
-        self._commands.put(None)
+        with self._lock:
+            self._put(None)
         self._thread.join(timeout_s)
+
+    def _put(self, item) -> None:
+        """Queue ``item`` and ring the bell (under ``_lock``: the bell is closed with it)."""
+        self._commands.put(item)
+        if not self._closed:
+            os.eventfd_write(self._bell, 1)
 
     def join(self, timeout_s: float | None = None) -> None:
         """Wait for the loop thread to end (after a stop or a failure)."""
@@ -126,11 +139,30 @@ class EngineLoop:
         finally:
             with self._lock:
                 self._closed = True
+                os.close(self._bell)
             self._drain(self.failure or f"{self.name} service is stopping")
             try:
                 self._on_stop(self.engine, self.failure or f"{self.name} service is stopping")
             except Exception:
                 logger.exception("%s: on_stop hook failed", self.name)
+
+    def serve_until(self, fds: list[int], waiting: Callable[[], bool] = lambda: True) -> None:
+        """On the loop thread, inside a tick: run the commands that arrive until one of ``fds``
+        is readable (the ranks have answered, or one died) or ``waiting()`` turns false (a
+        command collected the answers itself), then return. Stopping returns at once (the tick
+        then finishes the step in flight)."""
+        if threading.current_thread() is not self._thread:
+            raise RuntimeError(f"{self.name}: serve_until runs on the engine thread only")
+        while not self._stopping and waiting():
+            ready = readable([*fds, self._bell], None)
+            if self._bell in ready:
+                try:
+                    os.eventfd_read(self._bell)
+                except BlockingIOError:
+                    pass
+                self._run_commands(block=False)
+            if ready - {self._bell}:
+                return
 
     def _run_commands(self, block: bool) -> None:
         try:

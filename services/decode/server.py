@@ -108,6 +108,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self.loop = EngineLoop(engine, "decode", self.config.max_queue, on_failure=self._failed,
                                has_work=lambda e: e.has_work, tick=self._step,
                                idle=lambda e: e.reservations.expire(), snapshot=_snapshot)
+        # Reserve, BeginWrite, EndWrite and new streams run while the ranks compute a step, not
+        # after it (a prefill service's hand-off waits on BeginWrite)
+        engine.while_ranks_compute = self.loop.serve_until
 
     # ---- loop thread ------------------------------------------------------------------------
     def _step(self, engine: DCPDecodeEngine) -> None:
