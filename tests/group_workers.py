@@ -193,5 +193,14 @@ class CommWorker:
                 dist.reduce_scatter_single(want, flat, group=self.ctx.group)
                 if not torch.allclose(got.float(), want.float(), **tol):
                     out["mismatch"].append(("reduce_scatter", shape, dtype))
+        # a non-contiguous tensor reduced in place (shared memory; gloo needs a contiguous copy)
+        x = (torch.randn(6, 4, generator=g) * 100).t()
+        mine, ref = x.clone(), x.contiguous()
+        mine = mine.t().contiguous().t()  # the same values, transposed strides
+        comm.all_reduce(mine)
+        dist.all_reduce(ref, group=self.ctx.group)
+        out["sums"].append(mine.contiguous())
+        if mine.is_contiguous() or not torch.allclose(mine, ref, rtol=1e-6, atol=1e-3):
+            out["mismatch"].append(("all_reduce", "non-contiguous"))
         out["ops"] = (comm.shm_ops - before[0], comm.group_ops - before[1])
         return out

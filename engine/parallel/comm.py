@@ -6,8 +6,9 @@ and MoE all-reduces: kilobytes at batch 1, a few hundred KB at batch 32). Throug
 loopback each cost about 1 ms of waiting on a 2-core machine (its worker thread, TCP,
 wake-ups), most of a DCP step; through shared memory 0.10–0.15 ms inside a decode step, most of
 it waiting for the later rank (``bench/decode_dcp.py``, docs/benchmarks.md). The operation itself
-(both ranks arriving together) is 14–30 µs for 1 KiB: a handful of tensor ops, since at batch 1
-their Python overhead, not the bytes, is the cost (``bench/decode_dcp.py --quick`` prints it).
+(both ranks arriving together) is 6–11 µs for 1 KiB: at batch 1 its tensor ops' dispatch, not
+the bytes, is the cost, so each rank keeps its slot views per message shape and an operation is
+one copy in, the flag, and one copy (or sum) out (``bench/decode_dcp.py --quick`` prints it).
 :class:`Comm` runs them through a shared-memory segment:
 
 - one segment per group, created by rank 0 under ``/dev/shm`` and unlinked as soon as every
@@ -42,8 +43,10 @@ logger = logging.getLogger("cpserve.engine")
 
 SLOT_BYTES = 2 << 20  # per rank and buffer; larger messages go through the process group
 _LINE = 64  # bytes between two ranks' counters (one cache line each)
+_STRIDE = _LINE // 8  # the same, in int64 counters
 _SPIN, _YIELD_S, _SLEEP_S = 2000, 0.005, 50e-6
 SHM_DIR = "/dev/shm"
+_MAX_VIEWS = 4096  # cached slot views (Comm._views)
 
 
 def shm_supported(device: torch.device) -> bool:
@@ -101,34 +104,44 @@ class Comm:
             return
         self._flags = buf[:flag_bytes].view(torch.int64).numpy()  # rank r's counter: [r * _LINE // 8]
         self._data = buf[flag_bytes:].view(2, self.world, self.slot_bytes)
-        # per buffer: every rank's slot [C, slot_bytes] and this rank's own (fewer tensor ops
-        # per collective: at batch 1 a decode step's collectives are mostly Python overhead)
-        self._slots = (self._data[0], self._data[1])
-        self._own = (self._data[0, self.rank], self._data[1, self.rank])
+        self._slots = (self._data[0], self._data[1])  # per buffer: every rank's slot [C, slot_bytes]
+        self._cache: dict = {}  # _views, per (buffer, dtype, numel)
 
     # ---- the shared-memory exchange ---------------------------------------------------------
     def _fits(self, x: torch.Tensor) -> bool:
         return self._data is not None and x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
 
-    def _publish(self, x: torch.Tensor) -> torch.Tensor:
-        """Write ``x`` into this rank's slot, wait for every rank's; their bytes, as one
-        [C, nbytes] uint8 view of the segment (row r: rank r's ``x``), valid until the next
-        operation but one."""
+    def _views(self, parity: int, dtype: torch.dtype, numel: int) -> tuple:
+        """(this rank's slot, every rank's slots [C, numel], each rank's slot) of buffer
+        ``parity`` as ``numel`` elements of ``dtype``: made once per message shape, since at
+        batch 1 a collective's cost is its tensor ops, not its bytes."""
+        key = (parity, dtype, numel)
+        views = self._cache.get(key)
+        if views is None:
+            if len(self._cache) >= _MAX_VIEWS:  # many batch sizes over a long run: start afresh
+                self._cache.clear()
+            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+            every = self._slots[parity][:, :nbytes].view(dtype)
+            views = self._cache[key] = (every[self.rank], every, tuple(every[r] for r in range(self.world)))
+        return views
+
+    def _publish(self, x: torch.Tensor) -> tuple:
+        """Write ``x`` into this rank's slot, wait for every rank's; the slots as
+        ``_views`` gives them (row r: rank r's ``x``), valid until the next operation but one."""
         self.seq += 1
         self.shm_ops += 1
-        raw = _bytes(x)
-        nbytes = raw.numel()
-        parity = self.seq % 2
-        self._own[parity][:nbytes].copy_(raw)
-        flags, seq = self._flags, self.seq
-        flags[self.rank * _LINE // 8] = seq  # x86 keeps stores in order: the data is visible first
+        seq = self.seq
+        views = self._views(seq % 2, x.dtype, x.numel())
+        views[0].copy_(x.reshape(-1))
+        flags = self._flags
+        flags[self.rank * _STRIDE] = seq  # x86 keeps stores in order: the data is visible first
         for peer in range(self.world):
-            if peer != self.rank:
+            if peer != self.rank and flags[peer * _STRIDE] < seq:
                 self._wait(peer, seq)
-        return self._slots[parity][:, :nbytes]
+        return views
 
     def _wait(self, peer: int, seq: int) -> None:
-        flags, at = self._flags, peer * _LINE // 8
+        flags, at = self._flags, peer * _STRIDE
         spins = 0
         while flags[at] < seq:
             spins += 1
@@ -145,13 +158,18 @@ class Comm:
                 time.sleep(_SLEEP_S)
 
     @staticmethod
-    def _sum(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Sum of the rows of ``parts`` [C, n] (bytes of ``dtype``) in row order, in fp32."""
-        parts = parts.view(dtype) if parts.dtype != dtype else parts
+    def _sum(parts: tuple, out: torch.Tensor) -> None:
+        """``out`` (flat) = the sum of ``parts`` (flat), in rank order: floating point in fp32,
+        integers in their own type."""
+        if out.dtype == torch.float32 or not out.dtype.is_floating_point:  # summed straight into out
+            torch.add(parts[0], parts[1], out=out)
+            for part in parts[2:]:
+                out += part
+            return
         acc = parts[0].to(torch.float32, copy=True)
-        for r in range(1, parts.shape[0]):
-            acc += parts[r]
-        return acc if dtype == torch.float32 else acc.to(dtype)
+        for part in parts[1:]:
+            acc += part
+        out.copy_(acc)
 
     # ---- the collectives --------------------------------------------------------------------
     def _via_group(self, x: torch.Tensor, collective, *args) -> bool:
@@ -165,41 +183,29 @@ class Comm:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (and returned)."""
         if not self._via_group(x, dist.all_reduce, x):
-            parts = self._publish(x).view(x.dtype)
-            if x.dtype == torch.float32 and x.is_contiguous():  # summed straight into x, rank order
-                flat = torch.add(parts[0], parts[1], out=x.view(-1))
-                for r in range(2, self.world):
-                    flat += parts[r]
+            if x.is_contiguous():
+                self._sum(self._publish(x)[2], x.view(-1))
             else:
-                x.copy_(self._sum(parts, x.dtype).view(x.shape))
+                flat = torch.empty(x.numel(), dtype=x.dtype)
+                self._sum(self._publish(x)[2], flat)
+                x.copy_(flat.view(x.shape))
         return x
 
     def all_gather_single(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """``out`` [C * n, ...] = every rank's ``x`` [n, ...], in rank order."""
         if not self._via_group(x, dist.all_gather_single, out, x):
-            _out_bytes(out).view(self.world, -1).copy_(self._publish(x))
+            out.view(self.world, -1).copy_(self._publish(x)[1])
 
     def all_to_all_single(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Equal splits: chunk j of ``x`` goes to rank j; ``out``'s chunk i came from rank i."""
         if not self._via_group(x, dist.all_to_all_single, out, x):
-            got = self._publish(x)
-            if got.numel():
-                _out_bytes(out).view(self.world, -1).copy_(got.view(self.world, self.world, -1)[:, self.rank])
+            every = self._publish(x)[1]
+            if x.numel():
+                out.view(self.world, -1).copy_(every.view(self.world, self.world, -1)[:, self.rank])
 
     def reduce_scatter_single(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """``out`` = the sum over ranks of chunk ``rank`` of their ``x`` [C * n, ...]."""
         if not self._via_group(x, dist.reduce_scatter_single, out, x):
-            got = self._publish(x)
-            if got.numel():
-                mine = got.view(self.world, self.world, -1)[:, self.rank]
-                out.copy_(self._sum(mine, out.dtype).view(out.shape))
-
-
-def _bytes(x: torch.Tensor) -> torch.Tensor:
-    """The bytes of contiguous ``x``, as a flat uint8 view (a copy if ``x`` is not contiguous)."""
-    return x.contiguous().view(-1).view(torch.uint8)
-
-
-def _out_bytes(out: torch.Tensor) -> torch.Tensor:
-    """The bytes of an output tensor, as a flat uint8 view (it must be contiguous: written in place)."""
-    return out.view(-1).view(torch.uint8)
+            every = self._publish(x)[1]
+            if x.numel():
+                self._sum(tuple(every.view(self.world, self.world, -1)[:, self.rank]), out.view(-1))
