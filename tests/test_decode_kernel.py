@@ -136,3 +136,19 @@ def test_where_the_kernel_applies(monkeypatch):
             kernels.mla_decode()
     finally:
         kernels.mla_decode.cache_clear()
+
+
+@pytest.mark.parametrize("b,h,r,c", [(1, 4, 512, 2), (3, 6, 64, 3), (5, 8, 16, 4), (2, 2, 32, 1)])
+def test_dcp_pack_lays_out_the_partials_as_the_torch_path(fused_r, b, h, r, c):
+    """engine/parallel/dcp.py's a2a exchange: head slice j of every request (output, then its
+    lse) goes to rank j; the C packing gives the bits of the torch path."""
+    fused_r(r + 16, r)  # the kernels are built
+    pack = kernels.dcp_pack()
+    assert pack is not None
+    g = torch.Generator().manual_seed(b * 100 + h)
+    out, lse = torch.randn(b, h, r, generator=g), torch.randn(b, h, generator=g)
+    lse[0, 0] = float("-inf")  # an empty shard's
+    send = torch.full((c, b, h // c, r + 1), float("nan"))
+    pack(out.data_ptr(), lse.data_ptr(), b, h, r, c, send.data_ptr())
+    want = torch.cat([out, lse.unsqueeze(-1)], dim=-1).view(b, c, h // c, r + 1).permute(1, 0, 2, 3)
+    assert torch.equal(send, want)

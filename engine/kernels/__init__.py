@@ -10,8 +10,10 @@ compiler's version and this CPU's feature flags (``-march=native`` code must not
 CPU). Concurrent first uses (the ranks of a group start together) each compile to a temporary
 file and rename it into place, so they never see half a library.
 
-``CPSERVE_DECODE_ATTENTION=torch`` turns the kernel off (the torch path in
-engine/cache/gather.py then runs); without a C compiler the kernel is off too, said once in the log.
+The library holds the fused decode attention (``mla_decode``) and a helper of the DCP
+exchange around it (``dcp_pack``). ``CPSERVE_DECODE_ATTENTION=torch`` turns them off (the
+torch paths in engine/cache/gather.py and engine/parallel/dcp.py then run); without a C compiler
+they are off too, said once in the log.
 """
 
 from __future__ import annotations
@@ -75,10 +77,9 @@ def _build(cc: str, out_dir: Path) -> Path:
     return lib
 
 
-@functools.cache
-def mla_decode():
-    """The fused decode-attention function (ctypes), or None when it is turned off or cannot
-    be built (the reason is logged once)."""
+def _library() -> ctypes.CDLL | None:
+    """The kernels' shared library (built once, then loaded from the cache), or None when they
+    are turned off or cannot be built (the reason is logged)."""
     mode = os.environ.get(ENV, "auto")
     if mode not in ("auto", "fused", "torch"):
         raise ValueError(f"{ENV}: expected auto, fused or torch, got {mode!r}")
@@ -98,11 +99,34 @@ def mla_decode():
             raise RuntimeError(f"{ENV}=fused but the decode kernel is unavailable: {e}") from e
         logger.warning("fused decode attention unavailable (%s); using the torch path", e)
         return None
+    if lib.mla_decode_seg() != SEG or lib.mla_decode_block() != BLK:
+        raise RuntimeError("engine/kernels: mla_decode.c and its loader disagree on SEG or BLK")
+    return lib
+
+
+@functools.cache
+def mla_decode():
+    """The fused decode-attention function (ctypes), or None when the kernels are turned off or
+    cannot be built (the reason is logged once)."""
+    lib = _library()
+    if lib is None:
+        return None
+    logger.info("fused decode attention: %s", lib._name)
     fn = lib.mla_decode
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     fn.argtypes = [p, i64, i32, f32, i64, p, p, p, p, i64, i64, i64, f32, p, p, p, p, p, i32]
     fn.restype = None
-    if lib.mla_decode_seg() != SEG or lib.mla_decode_block() != BLK:
-        raise RuntimeError("engine/kernels: mla_decode.c and its loader disagree on SEG or BLK")
-    logger.info("fused decode attention: %s", lib._name)
+    return fn
+
+
+@functools.cache
+def dcp_pack():
+    """The DCP a2a exchange's packing (dcp_pack in mla_decode.c), or None where ``mla_decode``
+    is (the torch path in engine/parallel/dcp.py then runs)."""
+    lib = _library() if mla_decode() is not None else None
+    if lib is None:
+        return None
+    fn = lib.dcp_pack
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes, fn.restype = [p, p, i64, i64, i64, i64, p], None
     return fn

@@ -321,3 +321,19 @@ void mla_decode(const uint8_t *pool, int64_t row_bytes, int kind, float kv_scale
         }
     }
 }
+
+/* The DCP exchange around this kernel (engine/parallel/dcp.py, a2a): each rank attends over its
+ * own rows for every head and sends head slice c of its partials to rank c. At batch 1 packing
+ * them was five tiny torch ops a layer, whose dispatch, not their bytes, was the cost.
+ * out [B, H, r] and lse [B, H] -> send [C, B, H/C, r + 1] (lse in the last column). */
+void dcp_pack(const float *out, const float *lse, int64_t B, int64_t H, int64_t r, int64_t C, float *send) {
+    int64_t per = H / C;
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t j = 0; j < per; j++) {
+                int64_t h = c * per + j;
+                float *dst = send + ((c * B + b) * per + j) * (r + 1);
+                memcpy(dst, out + (b * H + h) * r, sizeof(float) * r);
+                dst[r] = lse[b * H + h];
+            }
+}

@@ -46,6 +46,7 @@ from engine.cache.kvformat import KVFormat
 from engine.cache.pool import resident_bytes, zeroed
 from engine.faults import faults
 from engine.handoff import RankEndpoint, kv_backend
+from engine.kernels import dcp_pack
 from engine.model.attention import merge_partials, topk_mask, topk_select
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
@@ -212,8 +213,14 @@ class DCPKV:
         b, h, d = out.shape
         per = h // r.world
         if r.exchange == "a2a":
-            packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)  # [B, H, r+1]
-            send = packed.view(b, r.world, per, d + 1).permute(1, 0, 2, 3).contiguous()
+            pack = dcp_pack()
+            if pack is not None:  # the layout below in one C call instead of five tensor ops
+                o, l = out.float().contiguous(), lse.float().contiguous()
+                send = torch.empty(r.world, b, per, d + 1)
+                pack(o.data_ptr(), l.data_ptr(), b, h, d, r.world, send.data_ptr())
+            else:
+                packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)  # [B, H, r+1]
+                send = packed.view(b, r.world, per, d + 1).permute(1, 0, 2, 3).contiguous()
             recv = torch.empty_like(send)
             r.comm.all_to_all_single(recv, send)
             r.bytes_sent["exchange"] += send.numel() * send.element_size() * (r.world - 1) // r.world
