@@ -52,8 +52,11 @@ class PendingPrefill:
     transfer_stats: list | None = None
     armed: bool = False  # its KV is pushed layer by layer during the forward (overlap)
     queued_at: float = 0.0  # perf_counter when the service put it in the engine
-    marks: list[float] = field(default_factory=list)  # the service's timing marks (compute done)
-    written_at: float = 0.0  # perf_counter when every rank's KV writes had returned
+    # perf_counter when its prompt's forwards were done (with layer-wise overlap: when the last
+    # forward's compute ended, its pushes still running), and when every rank's KV writes had
+    # returned: the service's compute and hand-off stages of TTFT
+    computed_at: float = 0.0
+    written_at: float = 0.0
     arm_error: Exception | None = None
 
 
@@ -195,9 +198,13 @@ class CPPrefillEngine(Engine):
             raise p.arm_error
         if p.armed:
             results = self.runner.push_results.pop(p.seq.id, [])
+            returned = self.runner.returned_at
             if not results:
                 raise TransferError(p.dest.reservation_id, "no prefill rank reported its layer-wise push")
+            # the pushes went on after the forward: the slowest rank's tail is hand-off time
+            p.computed_at = returned - max(r.get("tail_seconds", 0.0) for r in results)
         else:
+            p.computed_at = time.perf_counter()
             if p.before_write is not None:
                 p.before_write()
             p.cleared = True

@@ -3,6 +3,7 @@ their stubs: Reserve → Prefill(destination) → Generate, exact against the re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -125,6 +126,24 @@ def reference():
 
 def expected(ref, prompt, max_new=MAX_NEW):
     return ref.generate([prompt], SamplingParams(max_new_tokens=max_new, stop_token_ids=()))[0].output_ids
+
+
+@contextlib.contextmanager
+def own_pair(prefill: PrefillConfig, decode: DecodeConfig):
+    """A prefill and a decode service of the test's own (started after its environment is set:
+    their ranks read $CPSERVE_FAULTS at start), and a client of both; all stopped after."""
+    pre = dec = client = None
+    try:
+        dec = serve_decode(decode)
+        pre = serve_prefill(prefill)
+        client = Client(pre[1], dec[1])
+        yield client
+    finally:
+        if client is not None:
+            client.close()
+        for s in (pre, dec):
+            if s is not None:
+                s[2]()
 
 
 def code_and_details(call):
@@ -454,11 +473,8 @@ def test_decode_answers_reserve_while_its_ranks_compute_a_step(monkeypatch, refe
     arrives (a step has just started) is answered long before that step ends."""
     delay = 0.6
     monkeypatch.setenv("CPSERVE_FAULTS", f"decode_step_delay_s={delay}")  # the ranks take it at start
-    pre = dec = client = None
-    try:
-        dec = serve_decode(DecodeConfig(dcp=1, port=0, max_cache_tokens=2048, lease_s=30))
-        pre = serve_prefill(PrefillConfig(cp=1, port=0, max_cache_tokens=2048))
-        client = Client(pre[1], dec[1])
+    with own_pair(PrefillConfig(cp=1, port=0, max_cache_tokens=2048),
+                  DecodeConfig(dcp=1, port=0, max_cache_tokens=2048, lease_s=30)) as client:
         prompt, sampling = prompts()[0], greedy(6)
         dest = client.reserve(len(prompt), 6)
         first = client.prefill_to(prompt, dest, sampling)
@@ -476,12 +492,28 @@ def test_decode_answers_reserve_while_its_ranks_compute_a_step(monkeypatch, refe
         assert tokens == expected(reference, prompt, 6)
         assert sorted(waits)[1] < delay / 2, f"Reserve waited {waits} s with {delay} s decode steps"
         assert client.wait_rows_free().reservations == 0
-    finally:
-        if client is not None:
-            client.close()
-        for s in (pre, dec):
-            if s is not None:
-                s[2]()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefill_stages_split_compute_from_hand_off(monkeypatch, reference, overlap):
+    """The TTFT breakdown's compute and hand-off stages: with every prefill layer made 50 ms
+    long, compute is at least the layers' time and the hand-off is not (with layer-wise overlap
+    the pushes run during the forward: only their tail after it is hand-off time)."""
+    delay = 0.05
+    monkeypatch.setenv("CPSERVE_FAULTS", f"layer_delay_s={delay}")  # the ranks take it at start
+    with own_pair(PrefillConfig(cp=1, port=0, max_cache_tokens=2048, overlap=overlap),
+                  DecodeConfig(dcp=1, port=0, max_cache_tokens=2048)) as client:
+        layers = reference.cfg.num_layers
+        prompt, sampling = prompts()[0], greedy(4)
+        dest = client.reserve(len(prompt), 4)
+        first = client.prefill_to(prompt, dest, sampling)
+        assert first.compute_ms >= 0.9 * layers * delay * 1e3, (first.compute_ms, layers)
+        assert 0 < first.handoff_ms < first.compute_ms / 4, (first.handoff_ms, first.compute_ms)
+        tokens = [first.first_token] + [ev.token.id for ev in client.generate(dest, prompt, first, sampling)
+                                        if ev.WhichOneof("event") == "token"]
+        assert tokens == expected(reference, prompt, 4)
+        assert client.wait_rows_free().reservations == 0
 
 
 @pytest.mark.timeout(60)

@@ -221,7 +221,10 @@ class PrefillRank:
         if scoring is not None:
             batch.score_index, batch.score_targets, batch.score_top = scoring.index, scoring.targets, scoring.top
         logits = self.lm(batch)
+        computed = time.perf_counter()
         pushed = {rid: self.sender.merge([f.result() for f in fs]) for rid, fs in futures.items()}
+        for result in pushed.values():  # how long the pushes ran on after the compute
+            result["tail_seconds"] = time.perf_counter() - computed
         scores = split_scores(scoring, batch.scores)
         return {rid: logits[j] for j, rid in enumerate(logit_req)}, time.perf_counter() - t0, pushed, scores
 
@@ -258,13 +261,15 @@ class CPRunner:
     """Driver side: sends each plan to every rank and merges their logits.
 
     ``arm(plan)`` (set by the engine) returns the layer-wise pushes to start during this plan's
-    forward; their per-rank results land in ``push_results[req_id]``."""
+    forward; their per-rank results land in ``push_results[req_id]``, and ``returned_at`` is
+    when the ranks' answers to the last forward were in (perf_counter)."""
 
     def __init__(self, group, trace: bool = False):
         self.group, self.trace = group, trace
         self.rank_seconds = [0.0] * group.world_size
         self.arm = None
         self.push_results: dict[int, list[dict]] = {}
+        self.returned_at = 0.0
         self.scores: dict[int, tuple] = {}  # the last forward's prompt scores by request
 
     def run(self, plan: StepPlan) -> dict[int, torch.Tensor]:
@@ -273,7 +278,9 @@ class CPRunner:
         armed = self.arm(plan) if self.arm is not None else None
         merged: dict[int, torch.Tensor] = {}
         blocks: dict[int, list] = {}
-        for r, (logits, seconds, pushed, scores) in enumerate(self.group.call("run", plan, self.trace, armed or None)):
+        answers = self.group.call("run", plan, self.trace, armed or None)
+        self.returned_at = time.perf_counter()
+        for r, (logits, seconds, pushed, scores) in enumerate(answers):
             merged.update(logits)
             for rid, block in scores.items():
                 blocks.setdefault(rid, []).append(block)

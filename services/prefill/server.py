@@ -136,7 +136,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         every queued prefill into the same forwards and hand each off when its prompt is done."""
         if not is_active():
             raise ReservationError("the client went away before its prefill started")
-        marks: list[float] = []  # [compute done]
         rid = dest.reservation_id
         # Claim the rows now, as the group starts the request (not after its compute): the
         # lease is then renewed per chunk (renew) and right before the write (before_write).
@@ -148,7 +147,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         def before_write() -> None:
             if not is_active():
                 raise ReservationError("the client went away during its prefill")
-            marks.append(time.perf_counter())  # compute done (with overlap: before the last forward)
             self.peers.begin_write(address, rid)
 
         def after_write() -> None:
@@ -162,7 +160,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             raise
         pending.cleared = True  # claimed: EndWrite is owed however the request ends
         pending.renew, pending.renew_every_s, pending.is_active = renew, lease_s / 4, is_active
-        pending.marks, pending.queued_at = marks, time.perf_counter()
+        pending.queued_at = time.perf_counter()
         return pending
 
     def Prefill(self, request, context):
@@ -186,8 +184,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             pending = fut.result()
             queued = pending.queued_at
             seq = pending.future.result()
-            marks, stats = pending.marks, pending.transfer_stats or []
-            computed, written = marks[0], pending.written_at
+            stats = pending.transfer_stats or []
+            computed, written = pending.computed_at, pending.written_at
             response = prefill_pb2.PrefillResponse(
                 seed=seq.seed, prefill_ms=(computed - queued) * 1e3,
                 transfer_bytes=sum(r["bytes"] for r in stats), transfer_ms=_write_seconds(stats) * 1e3,
