@@ -121,7 +121,9 @@ class PrefillConfig(_ServiceConfig):
     cp: int = Field(2, ge=1)
     strategy: Literal["interleave", "zigzag"] = "interleave"
     layer_split: bool = False
-    overlap: bool = False  # push each layer's KV while later layers compute
+    # push each layer's KV to decode while later layers compute (the hand-off then adds only
+    # the last layer's push to TTFT); --no-overlap: push the whole prompt after its forward
+    overlap: bool = True
     chunk_size: int = Field(4096, ge=1)
     # Keep finished prompts' full pages and reuse them for later prompts with the same prefix:
     # only the new tokens are computed (the whole prompt's KV still goes to decode).
