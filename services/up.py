@@ -141,6 +141,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-split", action="store_true", default=None)
     p.add_argument("--prefix-cache", action="store_true", default=None,
                    help="prefill reuses cached prompt pages of earlier requests with the same prefix")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill pushes each layer's KV to decode while later layers compute (default on; "
+                        "--no-overlap: the whole prompt's KV after its forward)")
     p.add_argument("--decode-dcp", type=int, default=None, help="decode context-parallel ranks (default 2)")
     p.add_argument("--indexer", choices=["copied", "split"], default=None)
     p.add_argument("--dcp-comm", choices=["a2a", "ag_rs"], default=None)
@@ -275,7 +278,9 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
     try:
         prefill = Child("prefill", common + engine_common + ["--port", "0"] + _flags([
             ("--cp", args.prefill_cp), ("--strategy", args.cp_strategy), ("--layer-split", args.layer_split),
-            ("--prefix-cache", args.prefix_cache), ("--threads-per-rank", threads["prefill"])]), quiet, env=env)
+            ("--prefix-cache", args.prefix_cache), ("--threads-per-rank", threads["prefill"]),
+            ("--overlap" if args.overlap else "--no-overlap", True if args.overlap is not None else None)]),
+            quiet, env=env)
         children.append(prefill)
         decode = Child("decode", common + engine_common + ["--port", "0"] + _flags([
             ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm),

@@ -177,11 +177,13 @@ def test_a_bad_router_flag_fails_the_cluster_start_naming_the_field():
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model,kw", [
     # (the default layout, tiny + interleave + a2a + copied index, is the module cluster's below)
-    ("tiny", dict(layer_split=True, indexer="split", dcp_comm="ag_rs")),
+    ("tiny", dict(layer_split=True, indexer="split", dcp_comm="ag_rs", overlap=False)),
     ("tiny-v3", dict(cp_strategy="zigzag")),
 ])
 def test_openai_client_outputs_equal_the_reference(model, kw):
     children = start_cluster(cluster_args(model=model, **kw), 0, None, quiet=True)
+    # KV pushed after the forward (--no-overlap) or layer by layer during it (the default)
+    assert ("--no-overlap" in children[0].proc.args) == (kw.get("overlap") is False)
     try:
         client = client_for(children)
         for i, p in enumerate(prompts()):
