@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -262,6 +263,31 @@ def stream_tokens(call) -> tuple[list[int], object]:
         else:
             done = ev.done
     return ids, done
+
+
+def test_two_steps_of_one_sequence_delivered_together_keep_their_indices():
+    """A step collected early (a command needed the ranks: a fork's commit copies its prompt's
+    partial page) is delivered with the next one, so one delivery can hold two tokens of the
+    same sequence: each event carries its own index and logprob, and a finished sequence gets
+    its Done after its last token, not before it."""
+    from types import SimpleNamespace
+
+    from engine.model.sampler import TokenLogprob
+    from services.decode.server import DecodeService
+
+    seq = SimpleNamespace(id=7, output_ids=[5, 6, 7, 8], logprobs=[TokenLogprob(-0.5), TokenLogprob(-1.5),
+                                                                     TokenLogprob(-2.5)],
+                          params=SimpleNamespace(logprobs=0), is_finished=True, finish_reason="length")
+    events = queue.SimpleQueue()
+    engine = SimpleNamespace(step=lambda: [(seq, 7), (seq, 8)],
+                             scheduler=SimpleNamespace(take_preempted=lambda: []))
+    service = SimpleNamespace(_streams={7: (seq, events)})
+    DecodeService._step(service, engine)
+    got = [events.get_nowait() for _ in range(events.qsize())]
+    assert [e.WhichOneof("event") for e in got] == ["token", "token", "done"]
+    assert [(e.token.id, e.token.index) for e in got[:2]] == [(7, 2), (8, 3)]
+    assert [e.token.logprob.logprob for e in got[:2]] == [-1.5, -2.5]
+    assert got[2].done.num_tokens == 4 and service._streams == {}
 
 
 @pytest.mark.timeout(120)

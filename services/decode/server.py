@@ -17,6 +17,7 @@ health says NOT_SERVING.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 from dataclasses import dataclass
@@ -75,10 +76,13 @@ def _snapshot(engine: DCPDecodeEngine) -> _Snapshot:
                      tuple(filled), len(seqs), len(engine.reservations.active))
 
 
-def _token(token: int, index: int, seq: Sequence) -> decode_pb2.GenerateEvent:
+def _token(token: int, seq: Sequence, later: int) -> decode_pb2.GenerateEvent:
+    """The event of ``seq``'s token that has ``later`` tokens after it in ``output_ids`` already
+    (a step collected early, while a command needed the ranks, is delivered with the next one)."""
+    index = len(seq.output_ids) - 1 - later
     event = decode_pb2.GenerateEvent(token=decode_pb2.GenerateEvent.Token(id=token, index=index))
-    if seq.params.logprobs is not None and seq.logprobs:  # this step's: the first token's came from prefill
-        event.token.logprob.CopyFrom(logprob_to_proto(seq.logprobs[-1]))
+    if seq.params.logprobs is not None and len(seq.logprobs) > later:  # the first token's came from prefill
+        event.token.logprob.CopyFrom(logprob_to_proto(seq.logprobs[-1 - later]))
     return event
 
 
@@ -114,12 +118,15 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
 
     # ---- loop thread ------------------------------------------------------------------------
     def _step(self, engine: DCPDecodeEngine) -> None:
-        for seq, token in engine.step():
+        events = engine.step()
+        later = collections.Counter(seq.id for seq, _ in events)  # a sequence may have two steps' tokens here
+        for seq, token in events:
+            later[seq.id] -= 1
             entry = self._streams.get(seq.id)
             if entry is None:
                 continue
-            entry[1].put(_token(token, len(seq.output_ids) - 1, seq))
-            if seq.is_finished:
+            entry[1].put(_token(token, seq, later[seq.id]))
+            if seq.is_finished and not later[seq.id]:
                 del self._streams[seq.id]
                 entry[1].put(_done(seq))
         for seq in engine.scheduler.take_preempted():  # out of rows: their router resumes them elsewhere
