@@ -24,6 +24,7 @@ from engine.plan import SlotSync, StepPlan
 from engine.runner import LocalRunner
 from engine.reservations import ReservationTable
 from engine.scheduler import Engine, Scheduler
+from engine.cache.content_key import key_seed
 from engine.handoff import KvDestination, layout_fingerprint
 
 
@@ -76,7 +77,8 @@ class DCPDecodeEngine(Engine):
                  kv_transport: str | None = None, kv_host: str = "127.0.0.1", lease_s: float = 30.0,
                  write_lease_s: float = 60.0,
                  generation_config: str = "auto", moe_parallel: str = "ep", kv_cache_memory: int | str | None = None,
-                 kv_cache_dtype: str = "auto", pipelined: bool = False, lookahead: bool = True):
+                 kv_cache_dtype: str = "auto", pipelined: bool = False, lookahead: bool = True,
+                 prefix_cache: bool = False):
         from engine.model.config import ModelConfig
 
         self.model_dir = resolve_model_dir(model)
@@ -100,7 +102,11 @@ class DCPDecodeEngine(Engine):
         prefill = LocalRunner(lm, KVPool(self.cfg, rows_per_rank * dcp, parse_dtype(dtype), fmt=self.kv_format)) \
             if lm else None
         self.group.ready()
-        super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, dcp, record_logits),
+        self.fingerprint = layout_fingerprint(self.cfg, dtype, self.kv_format)
+        # prefix_cache: a finished request's prompt and output rows stay as cached pages, found
+        # again by Reserve (a conversation's next turn is sent its new tokens only)
+        super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, dcp, record_logits, prefix_cache,
+                                   key_seed(self.fingerprint)),
                          DCPRunner(self.group, prefill, trace))
         self.dcp, self.dtype, self.index_mode, self.page_size = dcp, dtype, indexer, page_size
         self.pipelined = pipelined
@@ -119,14 +125,16 @@ class DCPDecodeEngine(Engine):
         self.endpoints = tuple(self.group.call("endpoint")) if kv_transport else ()
 
     # ---- the KV hand-off (decode side) ---------------------------------------------------
-    def reserve(self, num_tokens: int, max_new_tokens: int, num_forks: int = 1) -> KvDestination:
+    def reserve(self, num_tokens: int, max_new_tokens: int, num_forks: int = 1, tokens: list[int] | None = None,
+                cache_salt: str = "") -> KvDestination:
         """Reserve rows for a prompt (decoded as ``num_forks`` forks); the returned destination
-        tells a prefill group where to write."""
+        tells a prefill group where to write, and from which token on (``prefix``: the leading
+        tokens of ``tokens`` whose rows this service still holds from an earlier request)."""
         if not self.endpoints:
             raise ValueError("kv_transport: this decode engine was started without a KV transport")
-        r = self.reservations.reserve(num_tokens, max_new_tokens, num_forks)
-        return KvDestination(r.id, self.dcp, self.page_size, self.index_mode, tuple(r.slots.tolist()), 0,
-                             self.endpoints, layout_fingerprint(self.cfg, self.dtype, self.kv_format), r.expires_at)
+        r = self.reservations.reserve(num_tokens, max_new_tokens, num_forks, tokens, cache_salt)
+        return KvDestination(r.id, self.dcp, self.page_size, self.index_mode, tuple(r.slots.tolist()),
+                             r.prefix_tokens, self.endpoints, self.fingerprint, r.expires_at)
 
     def begin_write(self, reservation_id: str) -> float:
         """Claim or renew the write lease; returns its length in seconds."""

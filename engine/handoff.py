@@ -130,6 +130,9 @@ class KvDestination:
         if len(self.slots) < num_tokens:
             raise ReservationError(f"reservation {self.reservation_id} holds {len(self.slots)} tokens; "
                                    f"the prompt has {num_tokens}")
+        if not 0 <= self.prefix <= num_tokens:
+            raise ReservationError(f"reservation {self.reservation_id}: prefix_tokens {self.prefix} is outside "
+                                   f"[0, {num_tokens}]")
 
 
 # ---- the transfer backend ------------------------------------------------------------------

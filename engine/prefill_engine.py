@@ -23,6 +23,7 @@ from engine.parallel.group import WorkerGroup
 from engine.parallel.prefill_cp import CPRunner
 from engine.model.sampler import SamplingParams
 from engine.scheduler import Engine, Scheduler, Sequence
+from engine.cache.content_key import key_seed
 from engine.handoff import KvDestination, TransferError, check_fingerprint, layout_fingerprint
 from engine.parallel.transfer_plan import plan_transfer, writes_by_rank
 
@@ -83,10 +84,11 @@ class CPPrefillEngine(Engine):
                                   kv_transport, kv_host, check_moe_parallel(moe_parallel), self.kv_format.kind),
                                  threads_per_rank=threads_per_rank, name="prefill")
         self.group.ready()
-        super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits, prefix_cache),
+        self.fingerprint = layout_fingerprint(self.cfg, dtype, self.kv_format)
+        super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits, prefix_cache,
+                                   key_seed(self.fingerprint)),
                          CPRunner(self.group, trace))
         self.dtype = dtype
-        self.fingerprint = layout_fingerprint(self.cfg, dtype, self.kv_format)
         self.pending: list[PendingPrefill] = []
         self.overlap = overlap
         if overlap:
@@ -96,7 +98,7 @@ class CPPrefillEngine(Engine):
     def submit_prefill(self, prompt_ids: list[int], params: SamplingParams, dest: KvDestination,
                        before_write: Callable[[], None] | None = None,
                        after_write: Callable[[], None] | None = None, output_ids: list[int] = (),
-                       num_forks: int = 1) -> "PendingPrefill":
+                       num_forks: int = 1, cache_salt: str = "") -> "PendingPrefill":
         """Queue a prefill whose KV goes to `dest`. The layout is checked here, before any
         compute. Requests submitted together are prefilled in the same forwards (batched);
         `finish_ready()` after each `step()` hands off the ones whose prompt is done.
@@ -107,7 +109,8 @@ class CPPrefillEngine(Engine):
         dest.validate_for(len(prompt_ids) + len(output_ids))
         step = len(output_ids) + 1  # only the next token is sampled here
         seq = self.scheduler.add(prompt_ids, replace(params, max_new_tokens=step,
-                                                     min_tokens=min(params.min_tokens, step)), output_ids, num_forks)
+                                                     min_tokens=min(params.min_tokens, step)), output_ids, num_forks,
+                                  cache_salt)
         seq.keep_pages = True
         pending = PendingPrefill(seq, dest, before_write, after_write=after_write)
         self.pending.append(pending)

@@ -35,6 +35,15 @@ pages of span = page_size · C tokens at Reserve, then each fork's generated tok
 committed (or aborted) on its own; the reservation holds the prompt's pages until every fork
 is, so the original partial page outlives the copies made from it.
 
+Cached rows (a conversation's earlier turns): with the scheduler's prefix cache, ``reserve``
+given the tokens looks them up first. The leading full pages found (verified chains, see
+engine/cache/prefix.py) become the reservation's first pages and ``prefix_tokens`` says how many
+tokens they hold: the writer sends only the tokens after them, and since a transfer plan never
+writes ``[0, prefix_tokens)``, no transfer can write a cached row. The reservation holds one use
+of each cached page (a reference, not an allocator hold), given back like any other page. Idle
+cached pages are reclaimable: ``reserve``'s free-page check and headroom count them, and they are
+evicted (LRU) when pages are taken, so a cached row never blocks admission.
+
 Every transition is logged at debug level with the reservation id.
 """
 
@@ -66,6 +75,9 @@ class Reservation:
     state: str  # reserved | writing | written | forking | aborting (then gone: committed | freed)
     deadline: float  # time.monotonic()
     waiting: set[int] = field(default_factory=set)  # forks neither committed nor aborted
+    prefix_tokens: int = 0  # leading tokens whose pages came from the prefix cache (never written)
+    cache_salt: str = ""
+    tokens: list[int] | None = None  # what was reserved, where rows were found for its prefix
 
     @property
     def prompt_pages(self) -> list[int]:
@@ -103,7 +115,10 @@ class ReservationTable:
         idle cache)."""
         return min(len(self.scheduler.running) + num_forks, self.scheduler.allocator.num_pages - need)
 
-    def reserve(self, num_tokens: int, max_new_tokens: int, num_forks: int = 1) -> Reservation:
+    def reserve(self, num_tokens: int, max_new_tokens: int, num_forks: int = 1,
+                tokens: list[int] | None = None, cache_salt: str = "") -> Reservation:
+        """Pages for ``num_tokens`` tokens; ``tokens`` (the prompt, resumed: + output so far)
+        are looked up in the prefix cache, where there is one."""
         self.expire()
         if num_tokens < 1:
             raise BadReservation(f"num_tokens: must be >= 1, got {num_tokens}")
@@ -114,17 +129,22 @@ class ReservationTable:
         if sched._pages_for(total) > alloc.num_pages:
             raise BadReservation(f"num_tokens: {total} tokens exceed this decode service's "
                                  f"{sched.capacity_tokens}-token cache")
+        if tokens is not None and len(tokens) not in (0, num_tokens):
+            raise BadReservation(f"prompt_ids: {len(tokens)} tokens, but num_tokens is {num_tokens}")
         full, partial = divmod(num_tokens, self.span)
         need = full + (num_forks if partial else 0)
         if need > alloc.num_pages:
             raise BadReservation(f"num_forks: {num_forks} forks of {num_tokens} tokens need {need} pages; this "
                                  f"decode service has {alloc.num_pages}")
-        if not alloc.can_allocate(need + self.headroom_pages(need, num_forks)):
+        cached = sched.prefix.match(tokens, cache_salt) if sched.prefix is not None and tokens else []
+        fresh = need - len(cached)
+        if not sched.can_take(fresh + self.headroom_pages(need, num_forks)):
+            sched.drop_pages(cached)
             raise NoCapacity("capacity: no free cache rows now; retry later")
-        pages = alloc.allocate(need)
+        pages = cached + sched.take(fresh)
         r = Reservation(new_reservation_id(), num_tokens, num_forks, pages[:full], pages[full:],
                         self._slots(pages[:full + 1], num_tokens), "reserved", time.monotonic() + self.lease_s,
-                        set(range(num_forks)))
+                        set(range(num_forks)), len(cached) * self.span, cache_salt, list(tokens) if cached else None)
         self.active[r.id] = r
         return r
 
@@ -150,7 +170,7 @@ class ReservationTable:
         del self.active[r.id]
         logger.debug("reservation %s: %s -> freed (%s)", r.id, r.state, why)
         r.state = "freed"
-        self.scheduler.allocator.free(r.prompt_pages + [p for p in r.tails[1:] if p is not None])
+        self.scheduler.drop_pages(r.prompt_pages + [p for p in r.tails[1:] if p is not None])
 
     def begin_write(self, rid: str) -> Reservation:
         """Claim the rows for writing, or — called again while writing — renew the write lease
@@ -188,12 +208,14 @@ class ReservationTable:
         if len(prompt_ids) + len(output_ids) != r.num_tokens:
             raise BadReservation(f"prompt: {len(prompt_ids) + len(output_ids)} tokens, but reservation {rid} "
                                  f"holds {r.num_tokens}")
+        if r.tokens is not None and (list(prompt_ids) + list(output_ids))[:r.prefix_tokens] != r.tokens[:r.prefix_tokens]:
+            raise BadReservation(f"prompt: differs from the tokens reservation {rid} found cached rows for")
         if fork == 0 or not r.tails:
             pages = r.prompt_pages
-            self.scheduler.allocator.share(pages)  # the fork's hold; the reservation keeps its own
+            self.scheduler.hold_pages(pages)  # the fork's hold; the reservation keeps its own
         else:
             pages = r.shared + [r.tails[fork]]
-            self.scheduler.allocator.share(r.shared)
+            self.scheduler.hold_pages(r.shared)
             r.tails[fork] = None  # the reservation's hold on the copy passes to the fork
             n = len(r.shared) * self.span
             self.copy_slots(r.slots[n:], self._slots(pages, r.num_tokens)[n:])
@@ -202,7 +224,7 @@ class ReservationTable:
         r.deadline = max(r.deadline, time.monotonic() + self.lease_s)  # for the other forks to commit
         shared = len(r.shared) * self.span if r.num_forks > 1 else 0
         seq = self.scheduler.adopt(prompt_ids, params, seed, pages, first_token, list(output_ids),
-                                   r.id if shared else None, shared)
+                                   r.id if shared else None, shared, r.prefix_tokens, r.cache_salt)
         if not r.waiting:
             self._free(r, "every fork committed or aborted")
         return seq

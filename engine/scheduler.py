@@ -42,7 +42,8 @@ class Sequence:
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose cache entries are written
-    num_cached: int = 0  # prompt tokens found in the prefix cache at admission
+    num_cached: int = 0  # prompt tokens found in the prefix cache at admission (decode: at Reserve)
+    cache_salt: str = ""  # requests with different salts never share cached pages
     pages: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
@@ -126,13 +127,13 @@ class Scheduler:
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, chunk_size: int, group_size: int = 1,
-                 record_logits: bool = False, prefix_cache: bool = False):
+                 record_logits: bool = False, prefix_cache: bool = False, key_seed: bytes = b""):
         if chunk_size < 1:
             raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
         self.cfg, self.page_size, self.chunk_size, self.group_size = cfg, page_size, chunk_size, group_size
         self.record_logits = record_logits
         self.allocator = PageAllocator(num_pages)
-        self.prefix = PrefixCache(self.allocator, page_size * group_size) if prefix_cache else None
+        self.prefix = PrefixCache(self.allocator, page_size * group_size, key_seed) if prefix_cache else None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in the order they joined the batch
         self.preempted: list[Sequence] = []  # ended for want of a page since the caller last took them
@@ -150,9 +151,38 @@ class Scheduler:
     def _pages_for(self, num_tokens: int) -> int:
         return pages_needed(num_tokens, self.page_size, self.group_size)
 
+    # ---- pages: the allocator's, with idle cached pages counted as free (evicted on demand) ----
+    @property
+    def num_reclaimable(self) -> int:
+        """Free pages plus idle cached pages: what a request can be given now."""
+        return self.allocator.num_free + (self.prefix.num_reclaimable if self.prefix is not None else 0)
+
+    def can_take(self, n: int) -> bool:
+        return 0 <= n <= self.num_reclaimable
+
+    def take(self, n: int) -> list[int]:
+        """``n`` pages, evicting idle cached pages (LRU) as needed (ask ``can_take`` first)."""
+        if self.prefix is not None:
+            self.prefix.make_free(n)
+        return self.allocator.allocate(n)
+
+    def hold_pages(self, pages: list[int]) -> None:
+        """One more holder of each page (a cached page: one more request using it)."""
+        if self.prefix is not None:
+            self.prefix.hold(pages)
+        else:
+            self.allocator.share(pages)
+
+    def drop_pages(self, pages: list[int]) -> None:
+        """``hold_pages``' inverse: nothing is cached."""
+        if self.prefix is not None:
+            self.prefix.drop(pages)
+        else:
+            self.allocator.free(pages)
+
     # ---- requests ------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
-            num_forks: int = 1) -> Sequence:
+            num_forks: int = 1, cache_salt: str = "") -> Sequence:
         """Queue a request. ``output_ids``: a resumed generation's tokens so far (prefilled after
         the prompt, counted as output by sampling); ``num_forks``: its first token is also drawn
         for forks 1.. (``Sequence.fork_starts``)."""
@@ -165,22 +195,25 @@ class Scheduler:
                                            f"{self.capacity_tokens}")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
         seq = Sequence(next(self._ids), list(prompt_ids), params, seed, self._stop_ids(params),
-                       output_ids=list(output_ids), num_resumed=len(output_ids), num_forks=num_forks)
+                       output_ids=list(output_ids), num_resumed=len(output_ids), num_forks=num_forks,
+                       cache_salt=cache_salt)
         self.waiting.append(seq)
         self.by_id[seq.id] = seq
         return seq
 
     def adopt(self, prompt_ids: list[int], params: SamplingParams, seed: int, pages: list[int],
               first_token: int, output_ids: list[int] = (), group: str | None = None,
-              shared_tokens: int = 0) -> Sequence:
+              shared_tokens: int = 0, num_cached: int = 0, cache_salt: str = "") -> Sequence:
         """A request whose prompt (and, resumed, its earlier ``output_ids``) is already in the
         cache (KV sent by a prefill service) and whose next token is sampled: it joins the running
         batch at its next decode step. It holds ``pages`` (the caller's holders of them pass to
         it); later pages come as its tokens need them. ``group``/``shared_tokens``: a fork whose
-        first ``shared_tokens`` tokens are in pages it shares with the other forks of ``group``."""
+        first ``shared_tokens`` tokens are in pages it shares with the other forks of ``group``.
+        ``num_cached``: its leading tokens whose pages came from the prefix cache."""
         seq = Sequence(next(self._ids), list(prompt_ids), params, seed, self._stop_ids(params),
                        output_ids=list(output_ids), num_computed=len(prompt_ids) + len(output_ids),
-                       pages=list(pages), shared_tokens=shared_tokens, group=group)
+                       pages=list(pages), shared_tokens=shared_tokens, group=group, num_cached=num_cached,
+                       cache_salt=cache_salt)
         self.by_id[seq.id] = seq
         self.running.append(seq)
         self._append(seq, first_token)
@@ -210,10 +243,11 @@ class Scheduler:
                     break
                 seq.pages = self.allocator.allocate(need)
             else:  # a request that scores its prompt computes all of it
-                shared = [] if seq.params.prompt_logprobs is not None else self.prefix.match(seq.prefill_ids)
+                shared = [] if seq.params.prompt_logprobs is not None else \
+                    self.prefix.match(seq.prefill_ids, seq.cache_salt)
                 fresh = self.prefix.allocate(need - len(shared))
                 if fresh is None:
-                    self.prefix.release(shared, seq.prompt_ids, prompt_done=False)
+                    self.prefix.drop(shared)
                     break
                 seq.pages = shared + fresh
                 seq.num_computed = seq.num_cached = len(shared) * self.prefix.tokens_per_page
@@ -236,8 +270,8 @@ class Scheduler:
         if seq.pages:
             if self.prefix is None:
                 self.allocator.free(seq.pages)
-            else:
-                self.prefix.release(seq.pages, seq.prefill_ids, prompt_done=not seq.is_prefilling)
+            else:  # pages whose every token's KV is written are kept (decode: output rows too)
+                self.prefix.release(seq.pages, seq.all_ids, seq.num_computed, seq.cache_salt)
             seq.pages = []
 
     def step_collected(self, still_in_flight: frozenset[int] = frozenset()) -> None:
@@ -277,8 +311,8 @@ class Scheduler:
         free, the request that joined last is preempted (see the module docstring)."""
         for seq in list(self.running):
             while not seq.is_finished and self._pages_for(len(seq.all_ids)) > len(seq.pages):
-                if self.allocator.can_allocate(1):
-                    seq.pages.append(self.allocator.allocate(1)[0])
+                if self.can_take(1):
+                    seq.pages.append(self.take(1)[0])
                 else:
                     self.preempt(self.running[-1])
 
@@ -346,13 +380,13 @@ class Scheduler:
                     return None
                 items.append((seq, it.position + 1, FROM_PREVIOUS, True))
             pages_needed_now += max(0, self._pages_for(items[-1][1] + 1) - len(seq.pages))
-        if not items or not self.allocator.can_allocate(pages_needed_now):
+        if not items or not self.can_take(pages_needed_now):
             return None
         plan = []
         for seq, p, token, argmax in items:
             missing = self._pages_for(p + 1) - len(seq.pages)
             if missing > 0:
-                seq.pages += self.allocator.allocate(missing)
+                seq.pages += self.take(missing)
             plan.append(DecodeItem(seq.id, token, p, self.slots(seq, p + 1), argmax=argmax))
             seq.num_computed = p + 1
         return StepPlan("decode", plan)

@@ -139,8 +139,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-cp", type=int, default=None, help="prefill context-parallel ranks (default 2)")
     p.add_argument("--cp-strategy", choices=["interleave", "zigzag"], default=None)
     p.add_argument("--layer-split", action="store_true", default=None)
-    p.add_argument("--prefix-cache", action="store_true", default=None,
-                   help="prefill reuses cached prompt pages of earlier requests with the same prefix")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of earlier requests with the same prefix: prefill computes, and decode is "
+                        "sent, only the new tokens (default: on; --no-prefix-cache: off on both services)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill pushes each layer's KV to decode while later layers compute (default on; "
                         "--no-overlap: the whole prompt's KV after its forward)")
@@ -278,13 +279,16 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
     try:
         prefill = Child("prefill", common + engine_common + ["--port", "0"] + _flags([
             ("--cp", args.prefill_cp), ("--strategy", args.cp_strategy), ("--layer-split", args.layer_split),
-            ("--prefix-cache", args.prefix_cache), ("--threads-per-rank", threads["prefill"]),
+            ("--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
+             True if args.prefix_cache is not None else None), ("--threads-per-rank", threads["prefill"]),
             ("--overlap" if args.overlap else "--no-overlap", True if args.overlap is not None else None)]),
             quiet, env=env)
         children.append(prefill)
         decode = Child("decode", common + engine_common + ["--port", "0"] + _flags([
             ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm),
-            ("--kv-cache-memory", args.kv_cache_memory), ("--threads-per-rank", threads["decode"])]),
+            ("--kv-cache-memory", args.kv_cache_memory), ("--threads-per-rank", threads["decode"]),
+            ("--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
+             True if args.prefix_cache is not None else None)]),
             quiet, env=env)
         children.append(decode)
         # the router starts with the engines: it imports, checks its flags and loads the tokenizer

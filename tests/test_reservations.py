@@ -249,3 +249,120 @@ def test_no_page_leaks_and_no_two_requests_share_a_written_row(num_pages, ops, s
     for s in list(sched.running):
         sched.abort(s)
     assert alloc.num_free == num_pages
+
+
+# ---- cached rows: a finished request's prompt and output pages, found again by Reserve ---------
+CPAGE = 8  # with C = 2 a virtual page spans 16 tokens: one content-key block
+
+
+def cached_table(num_pages: int) -> ReservationTable:
+    sched = Scheduler(CFG, num_pages, CPAGE, chunk_size=64, group_size=C, prefix_cache=True)
+    return ReservationTable(sched, lease_s=30, write_timeout_s=60, copy_slots=lambda src, dst: None)
+
+
+def run_to_end(t: ReservationTable, tokens: list[int], max_new: int, salt: str = ""):
+    r = t.reserve(len(tokens), max_new, tokens=tokens, cache_salt=salt)
+    t.begin_write(r.id)
+    t.end_write(r.id)
+    seq = t.commit(r.id, tokens, params(max_new), 0, first_token=5)
+    while not seq.is_finished:
+        step(t.scheduler)
+    return r, seq
+
+
+def test_a_finished_turn_is_found_again_with_its_output_and_never_rewritten():
+    t = cached_table(16)
+    turn1 = list(range(3, 43))  # 40 tokens
+    r1, seq1 = run_to_end(t, turn1, 12)
+    assert r1.prefix_tokens == 0
+    # prompt + every output token but the last has its KV: 40 + 11 = 51 tokens → 3 full pages kept
+    assert t.scheduler.prefix.num_cached_pages == 3
+    turn2 = seq1.all_ids + list(range(100, 120))
+    r2 = t.reserve(len(turn2), 8, tokens=turn2)
+    assert r2.prefix_tokens == 48  # the prompt's and the answer's rows, page-aligned
+    assert r2.shared[:3] == list(t.scheduler.prefix.entry)[:3] or set(r2.shared[:3]) <= set(t.scheduler.prefix.entry)
+    t.begin_write(r2.id)
+    t.end_write(r2.id)
+    with pytest.raises(BadReservation, match="prompt"):  # a Generate with other tokens than reserved
+        t.commit(r2.id, [7] * len(turn2), params(8), 0, first_token=5)
+    seq2 = t.commit(r2.id, turn2, params(8), 0, first_token=5)
+    cached_slots = set(token_slots(seq2.pages, 48, CPAGE, C).tolist())
+    while not seq2.is_finished:
+        plan = t.scheduler.next_plan()
+        assert not {int(s) for it in plan.items for s in it.slots[it.position:it.position + 1]} & cached_slots
+        t.scheduler.apply({it.req_id: torch.zeros(CFG.vocab_size) for it in plan.items})
+    assert t.reserve(len(turn2), 8, tokens=turn2, cache_salt="other").prefix_tokens == 0  # salts never share
+
+
+def test_idle_cached_pages_never_block_a_reservation_or_force_a_preemption():
+    t = cached_table(8)
+    run_to_end(t, list(range(3, 3 + 16 * 5)), 4)  # leaves 5 idle cached pages
+    assert t.scheduler.prefix.num_reclaimable == 5
+    r = t.reserve(16 * 6, 4, tokens=list(range(500, 500 + 16 * 6)))  # needs 6 of 8 pages + headroom
+    t.begin_write(r.id)
+    t.end_write(r.id)
+    seq = t.commit(r.id, list(range(500, 500 + 16 * 6)), params(30), 0, first_token=5)
+    for _ in range(29):
+        step(t.scheduler)
+    assert not t.scheduler.take_preempted() and seq.is_finished
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_pages=st.integers(6, 20), ops=events, seed=st.integers(0, 1000))
+def test_cached_pages_are_conserved_and_never_written(num_pages, ops, seed):
+    """The page property test above with the prefix cache on and conversations that grow (so
+    reservations hit): every allocator hold is a live request's, a reservation's, or the cache's
+    one; a cached page's references are exactly the live holders using it; no running request
+    writes a slot of a cached page; everything comes back at the end."""
+    rng = random.Random(seed)
+    t = cached_table(num_pages)
+    sched, alloc, cache = t.scheduler, t.scheduler.allocator, t.scheduler.prefix
+    history: list[list[int]] = [[]]  # finished requests' tokens: later prompts continue them
+    live = []
+    for op, n, forks in ops:
+        history += [s.all_ids for s in live if s.is_finished]
+        live = [s for s in live if not s.is_finished]
+        if op == "reserve":
+            base = rng.choice(history)
+            tokens = base + [rng.randint(3, 6) for _ in range(n)]
+            try:
+                r = t.reserve(len(tokens), 40, forks, tokens=tokens, cache_salt=rng.choice(["", "s"]))
+                t.begin_write(r.id)
+                t.end_write(r.id)
+                r.tokens = r.tokens or tokens
+            except (NoCapacity, BadReservation):
+                pass
+        elif op in ("commit", "abort") and t.active:
+            r = rng.choice(list(t.active.values()))
+            fork = rng.choice(sorted(r.waiting))
+            if op == "commit":
+                live.append(t.commit(r.id, r.tokens, params(rng.randint(1, 40)), 0, 9, fork=fork))
+            else:
+                t.abort(r.id, fork if rng.random() < 0.7 else None)
+        elif op == "step":
+            for _ in range(n):
+                step(sched)
+            sched.take_preempted()
+        elif op == "cancel" and sched.running:
+            sched.abort(rng.choice(sched.running))
+        uses: dict[int, int] = {}
+        for pages in [s.pages for s in sched.running] + [r.prompt_pages + [p for p in r.tails[1:] if p is not None]
+                                                         for r in t.active.values()]:
+            for p in pages:
+                uses[p] = uses.get(p, 0) + 1
+        for p in set(uses) | set(cache.refs):
+            if p in cache.refs:
+                assert cache.refs[p] == uses.get(p, 0) and alloc.holders(p) == 1
+            else:
+                assert alloc.holders(p) == uses[p]
+        assert alloc.num_allocated == len(set(uses) | set(cache.refs))
+        cached_slots = set(token_slots(list(cache.entry), len(cache.entry) * CPAGE * C, CPAGE, C).tolist())
+        for s in sched.running:
+            mine = set(token_slots(s.pages, len(s.all_ids) - 1, CPAGE, C)[max(s.shared_tokens, s.num_cached):].tolist())
+            assert not mine & cached_slots
+    for r in list(t.active.values()):
+        t.abort(r.id)
+    for s in list(sched.running):
+        sched.abort(s)
+    cache.clear()
+    assert alloc.num_free == num_pages

@@ -54,6 +54,11 @@ class _ServiceConfig(_InternalPlaneConfig):
     # routed experts: ep = partitioned across the group's ranks (each loads only its own),
     # replicate = every rank holds them all (engine/parallel/expert.py); a group of one holds all
     moe_parallel: Literal["ep", "replicate"] = "ep"
+    # Keep finished requests' full pages (prefill: the prompt's; decode: the prompt's and the
+    # output's) as cached pages, reused by later requests with the same prefix: prefill computes
+    # only the new tokens, decode is sent only the new tokens. Idle cached pages are evicted
+    # (LRU) whenever rows are needed. --no-prefix-cache turns it off.
+    prefix_cache: bool = True
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: pick a free port
     kv_protocol: Literal["tcp", "rdma"] = "tcp"
@@ -125,9 +130,6 @@ class PrefillConfig(_ServiceConfig):
     # the last layer's push to TTFT); --no-overlap: push the whole prompt after its forward
     overlap: bool = True
     chunk_size: int = Field(4096, ge=1)
-    # Keep finished prompts' full pages and reuse them for later prompts with the same prefix:
-    # only the new tokens are computed (the whole prompt's KV still goes to decode).
-    prefix_cache: bool = False
 
     @property
     def ranks(self) -> int:
@@ -180,6 +182,7 @@ class DecodeConfig(_ServiceConfig):
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.thread_plan.threads,
                     reference_prefill=False, pipelined=True, kv_transport=self.kv_protocol, kv_host=self.kv_host,
                     lease_s=self.lease_s, write_lease_s=self.write_lease_s, moe_parallel=self.moe_parallel,
+                    prefix_cache=self.prefix_cache,
                     kv_cache_memory=self.kv_cache_memory, kv_cache_dtype=self.kv_cache_dtype)
 
 

@@ -7,6 +7,7 @@ message path (``destination.index_mode``), so the service answers INVALID_ARGUME
 from __future__ import annotations
 
 from engine.model.sampler import InvalidRequest, SamplingParams, TokenLogprob
+from engine.cache.content_key import BLOCK_TOKENS, KvEventLog
 from engine.handoff import KvDestination, RankEndpoint
 from services.protos import common_pb2, decode_pb2, kv_pb2
 
@@ -109,3 +110,27 @@ def destination_from_proto(msg: kv_pb2.KvDestination) -> KvDestination:
 
 def finish_reason_to_proto(reason: str) -> int:
     return _FINISH_REASONS[reason]
+
+
+MAX_CACHE_SALT = 1024  # characters
+
+
+def check_cache_salt(salt: str) -> str:
+    if len(salt) > MAX_CACHE_SALT:
+        raise InvalidRequest("cache_salt", f"at most {MAX_CACHE_SALT} characters, got {len(salt)}")
+    return salt
+
+
+_EVENT_KINDS = {"stored": common_pb2.KvEvent.KIND_STORED, "removed": common_pb2.KvEvent.KIND_REMOVED}
+
+
+def kv_events_to_proto(log: KvEventLog | None, request: common_pb2.KvEventsRequest) -> common_pb2.KvEvents:
+    """The events of ``log`` after the caller's (a snapshot when they do not continue it); a
+    service without a prefix cache answers an empty snapshot."""
+    if log is None:
+        return common_pb2.KvEvents(reset=True, block_tokens=BLOCK_TOKENS)
+    batch = log.since(request.incarnation, request.after)
+    return common_pb2.KvEvents(
+        incarnation=batch.incarnation, last=batch.last, reset=batch.reset, snapshot=list(batch.snapshot),
+        events=[common_pb2.KvEvent(kind=_EVENT_KINDS[kind], block_keys=list(keys)) for kind, keys in batch.events],
+        key_seed=log.seed, block_tokens=BLOCK_TOKENS)

@@ -8,6 +8,9 @@ handlers bump:
 cpserve_<kind>_cache_rows_used{rank}         rows of allocated pages on that rank
 cpserve_<kind>_cache_rows_free{rank}         rows of unallocated pages on that rank
 cpserve_decode_cache_rows_filled{rank}       rows holding a token on that rank (token p: rank p mod C)
+cpserve_<kind>_cache_rows_cached{rank}       rows of idle cached pages on that rank (reclaimable: in rows_free)
+cpserve_<kind>_prefix_cache_queries_total    tokens looked up in the prefix cache (vLLM's name)
+cpserve_<kind>_prefix_cache_hits_total       of those, tokens found (prefill: not computed; decode: not sent)
 cpserve_<kind>_queue_depth                   requests waiting for the engine
 cpserve_<kind>_serving                       1 while the rank group serves (0: failed/rebuilding)
 cpserve_<kind>_step_seconds                  histogram: one engine step (a forward)
@@ -21,7 +24,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -50,6 +53,18 @@ class _Live:
             for rank, n in enumerate(state["rows_filled"]):
                 filled.add_metric([str(rank)], n)
             yield filled
+        if "rows_cached" in state:
+            cached = GaugeMetricFamily(f"cpserve_{k}_cache_rows_cached",
+                                       "Rows of cached pages no request uses (reclaimable; counted in rows_free)",
+                                       labels=["rank"])
+            for rank, n in enumerate(state["rows_cached"]):
+                cached.add_metric([str(rank)], n)
+            yield cached
+        if "prefix_cache_queries" in state:  # vLLM's names, in tokens
+            yield CounterMetricFamily(f"cpserve_{k}_prefix_cache_queries", "Tokens looked up in the prefix cache",
+                                      value=state["prefix_cache_queries"])
+            yield CounterMetricFamily(f"cpserve_{k}_prefix_cache_hits", "Tokens found in the prefix cache",
+                                      value=state["prefix_cache_hits"])
         yield GaugeMetricFamily(f"cpserve_{k}_queue_depth", "Requests waiting for the engine",
                                 value=state["queue_depth"])
         yield GaugeMetricFamily(f"cpserve_{k}_serving", "1 while the rank group serves", value=state["serving"])

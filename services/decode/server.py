@@ -31,7 +31,8 @@ from engine.scheduler import MAX_FORKS, Sequence, validate_prompt
 from kvtransfer.transport import use_port_range
 from services.common import rpc
 from services.common.config import DecodeConfig
-from services.common.convert import destination_to_proto, finish_reason_to_proto, logprob_to_proto, sampling_from_proto
+from services.common.convert import (check_cache_salt, destination_to_proto, finish_reason_to_proto, kv_events_to_proto,
+                                     logprob_to_proto, sampling_from_proto)
 from services.common.engine_loop import EngineLoop
 from services.protos import decode_pb2, decode_pb2_grpc
 
@@ -45,11 +46,14 @@ POLL_S = 0.5  # how often a waiting stream handler checks that its client is sti
 @dataclass(frozen=True)
 class _Snapshot:
     rows_used: int  # per rank (the same on every rank: a page spans page_size rows on each)
-    rows_free: int  # per rank
+    rows_free: int  # per rank, idle cached pages' rows included (reclaimable)
     rows_total: int  # per rank
     rows_filled: tuple[int, ...]  # each rank's own: rows holding a prompt or output token there
     running: int
     reservations: int
+    rows_cached: int = 0  # per rank: idle cached pages' rows
+    prefix_cache_queries: int = 0  # tokens Reserve looked up
+    prefix_cache_hits: int = 0  # tokens it found
 
 
 def rows_per_rank(num_tokens: int, dcp: int) -> list[int]:
@@ -59,21 +63,27 @@ def rows_per_rank(num_tokens: int, dcp: int) -> list[int]:
 
 def _snapshot(engine: DCPDecodeEngine) -> _Snapshot:
     """Rows by state. Forks share their prompt's full pages: those rows count once per
-    reservation (``shared``), the rest of each fork's tokens on their own."""
+    reservation (``shared``), the rest of each fork's tokens on their own. Cached pages (full,
+    whether a request uses them or not) count once each; a request's tokens in them are not
+    counted again. Idle cached pages are reclaimable: their rows count as free, not used."""
     alloc, page, dcp = engine.allocator, engine.page_size, engine.dcp
+    prefix = engine.scheduler.prefix
     seqs = [*engine.scheduler.running, *engine.scheduler.waiting]
-    owned = [len(s.prompt_ids) + len(s.output_ids) - s.shared_tokens for s in seqs]
-    shared = {s.group: s.shared_tokens for s in seqs if s.group is not None}
+    owned = [len(s.prompt_ids) + len(s.output_ids) - max(s.shared_tokens, s.num_cached) for s in seqs]
+    shared = {s.group: s.shared_tokens - s.num_cached for s in seqs if s.group is not None}
     for r in engine.reservations.active.values():
         n_shared = len(r.shared) * engine.reservations.span if r.num_forks > 1 else 0
-        shared[r.id] = n_shared
+        shared[r.id] = max(n_shared - r.prefix_tokens, 0)
         if r.state != "forking":  # before its first fork commits, the reservation holds the prompt
-            owned.append(r.num_tokens - n_shared)
-    filled = [0] * dcp
+            owned.append(r.num_tokens - max(n_shared, r.prefix_tokens))
+    cached_pages = prefix.num_cached_pages if prefix is not None else 0
+    idle = prefix.num_reclaimable if prefix is not None else 0
+    filled = [cached_pages * page] * dcp
     for n in owned + list(shared.values()):  # shared counts are whole pages: a multiple of dcp
         filled = [f + k for f, k in zip(filled, rows_per_rank(n, dcp))]
-    return _Snapshot((alloc.num_pages - alloc.num_free) * page, alloc.num_free * page, alloc.num_pages * page,
-                     tuple(filled), len(seqs), len(engine.reservations.active))
+    return _Snapshot((alloc.num_pages - alloc.num_free - idle) * page, (alloc.num_free + idle) * page,
+                     alloc.num_pages * page, tuple(filled), len(seqs), len(engine.reservations.active),
+                     idle * page, prefix.queries if prefix is not None else 0, prefix.hits if prefix is not None else 0)
 
 
 def _token(token: int, seq: Sequence, later: int) -> decode_pb2.GenerateEvent:
@@ -178,7 +188,16 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             if total > limit:
                 raise InvalidRequest("max_new_tokens", f"num_tokens plus max_new_tokens is {total}; the model "
                                                        f"has {limit} positions")
-            dest = self.loop.call(lambda e: e.reserve(request.num_tokens, request.max_new_tokens, num_forks), admit=True)
+            tokens = list(request.prompt_ids)
+            if tokens and len(tokens) != request.num_tokens:
+                raise InvalidRequest("prompt_ids", f"{len(tokens)} tokens, but num_tokens is {request.num_tokens}")
+            bad = [t for t in tokens if t >= self.cfg.vocab_size]
+            if bad:
+                raise InvalidRequest("prompt_ids", f"token id {bad[0]} is outside the vocabulary [0, "
+                                                   f"{self.cfg.vocab_size})")
+            salt = check_cache_salt(request.cache_salt)
+            dest = self.loop.call(lambda e: e.reserve(request.num_tokens, request.max_new_tokens, num_forks, tokens,
+                                                      salt), admit=True)
         except Exception as e:
             rpc.abort(context, e)
         logger.debug("decode: reserved %s for request %r", dest.reservation_id, request.request_id)
@@ -235,7 +254,13 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         """What /metrics reports (services/common/service_metrics.py), from the loop's snapshot."""
         s, dcp = self.loop.snapshot, self.config.dcp
         return {"rows_used": [s.rows_used] * dcp, "rows_free": [s.rows_free] * dcp, "rows_filled": list(s.rows_filled),
+                "rows_cached": [s.rows_cached] * dcp, "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits,
                 "queue_depth": self.loop.queue_depth, "serving": int(self.loop.failure is None)}
+
+    def KvEvents(self, request, context):
+        prefix = self.engine.scheduler.prefix
+        return kv_events_to_proto(prefix.events if prefix is not None else None, request)
 
     def Status(self, request, context):
         s = self.loop.snapshot
@@ -245,7 +270,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                                        rows_filled=list(s.rows_filled),
                                        running=s.running,
                                        reservations=s.reservations, queue_depth=self.loop.queue_depth,
-                                       serving=self.loop.failure is None)
+                                       serving=self.loop.failure is None, rows_cached=[s.rows_cached] * dcp,
+                                       prefix_cache_queries=s.prefix_cache_queries,
+                                       prefix_cache_hits=s.prefix_cache_hits)
 
 
 def serve_decode(config: DecodeConfig, engine: DCPDecodeEngine | None = None):

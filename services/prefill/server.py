@@ -27,7 +27,8 @@ from services.common import rpc
 from services.common.rpc import ServiceUnavailable
 from services.common.security import InternalPlane
 from services.common.config import PrefillConfig
-from services.common.convert import destination_from_proto, logprob_to_proto, sampling_from_proto
+from services.common.convert import (check_cache_salt, destination_from_proto, kv_events_to_proto, logprob_to_proto,
+                                     sampling_from_proto)
 from services.common.engine_loop import EngineLoop
 from services.protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -40,10 +41,14 @@ BEGIN_WRITE_TIMEOUT_S = 5.0
 _REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
 
 
-def _snapshot(engine: CPPrefillEngine) -> tuple[int, int]:
-    """(rows used, rows free); every CP rank keeps the same rows (layer split: for its layers)."""
-    alloc, page = engine.allocator, engine.scheduler.page_size
-    return (alloc.num_pages - alloc.num_free) * page, alloc.num_free * page
+def _snapshot(engine: CPPrefillEngine) -> tuple[int, int, int, int, int]:
+    """(rows used, rows free, rows of idle cached pages, prefix-cache queries, hits in tokens);
+    every CP rank keeps the same rows (layer split: for its layers). Idle cached pages are
+    reclaimable: their rows count as free."""
+    alloc, page, prefix = engine.allocator, engine.scheduler.page_size, engine.scheduler.prefix
+    idle = prefix.num_reclaimable if prefix is not None else 0
+    return ((alloc.num_pages - alloc.num_free - idle) * page, (alloc.num_free + idle) * page, idle * page,
+            prefix.queries if prefix is not None else 0, prefix.hits if prefix is not None else 0)
 
 
 def _write_seconds(stats: list[dict]) -> float:
@@ -131,7 +136,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                on_stop=_fail_pending)
 
     def _prefill(self, engine: CPPrefillEngine, prompt: list[int], params, dest: KvDestination, address: str,
-                 is_active: Callable[[], bool], output_ids: list[int], num_forks: int):
+                 is_active: Callable[[], bool], output_ids: list[int], num_forks: int, cache_salt: str):
         """Runs on the engine thread: queue the request into the engine; the loop's ticks batch
         every queued prefill into the same forwards and hand each off when its prompt is done."""
         if not is_active():
@@ -154,7 +159,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
         try:
             pending = engine.submit_prefill(prompt, params, dest, before_write=before_write, after_write=after_write,
-                                            output_ids=output_ids, num_forks=num_forks)
+                                            output_ids=output_ids, num_forks=num_forks, cache_salt=cache_salt)
         except BaseException:
             after_write()  # claimed, nothing written: decode may free the rows
             raise
@@ -178,9 +183,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             dest = destination_from_proto(request.destination)
             check_fingerprint(self.fingerprint, dest.fingerprint)
             dest.validate_for(len(prompt) + len(outputs))
+            salt = check_cache_salt(request.cache_salt)
             arrived = time.perf_counter()
             fut = self.loop.submit(lambda e: self._prefill(e, prompt, params, dest, request.destination.decode_address,
-                                                           context.is_active, outputs, num_forks), admit=True)
+                                                           context.is_active, outputs, num_forks, salt), admit=True)
             pending = fut.result()
             queued = pending.queued_at
             seq = pending.future.result()
@@ -193,7 +199,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 handoff_ms=(written - computed) * 1e3, service_ms=(time.perf_counter() - arrived) * 1e3,
                 prompt_logprobs=[logprob_to_proto(lp) for lp in seq.prompt_logprobs()],
                 forks=[prefill_pb2.ForkStart(token=token, seed=seed, logprob=lp and logprob_to_proto(lp))
-                       for token, seed, lp in seq.fork_starts])
+                       for token, seed, lp in seq.fork_starts], decode_cached_tokens=dest.prefix)
             response.first_token = seq.output_ids[len(outputs)]
             if seq.logprobs:
                 response.first_logprob.CopyFrom(logprob_to_proto(seq.logprobs[0]))
@@ -207,15 +213,21 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     def metrics_state(self) -> dict:
         """What /metrics reports: every CP rank keeps the same rows (layer split: for its layers)."""
-        used, free = self.loop.snapshot
+        used, free, cached, queries, hits = self.loop.snapshot
         cp = self.config.cp
-        return {"rows_used": [used] * cp, "rows_free": [free] * cp, "queue_depth": self.loop.queue_depth,
+        return {"rows_used": [used] * cp, "rows_free": [free] * cp, "rows_cached": [cached] * cp,
+                "prefix_cache_queries": queries, "prefix_cache_hits": hits, "queue_depth": self.loop.queue_depth,
                 "serving": int(self.loop.failure is None)}
 
     def Status(self, request, context):
-        used, free = self.loop.snapshot
+        used, free, cached, queries, hits = self.loop.snapshot
         return prefill_pb2.ServiceStatus(model=self.config.model, cp=self.config.cp, queue_depth=self.loop.queue_depth,
-                                         rows_used=used, rows_free=free, serving=self.loop.failure is None)
+                                         rows_used=used, rows_free=free, serving=self.loop.failure is None,
+                                         rows_cached=cached, prefix_cache_queries=queries, prefix_cache_hits=hits)
+
+    def KvEvents(self, request, context):
+        prefix = self.engine.scheduler.prefix
+        return kv_events_to_proto(prefix.events if prefix is not None else None, request)
 
     def stop(self) -> None:
         self.loop.stop()

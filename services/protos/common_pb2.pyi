@@ -1,8 +1,9 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -58,3 +59,45 @@ class TokenLogprob(_message.Message):
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ("incarnation", "after")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    after: int
+    def __init__(self, incarnation: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("kind", "block_keys")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[KvEvent.Kind]
+        KIND_STORED: _ClassVar[KvEvent.Kind]
+        KIND_REMOVED: _ClassVar[KvEvent.Kind]
+    KIND_UNSPECIFIED: KvEvent.Kind
+    KIND_STORED: KvEvent.Kind
+    KIND_REMOVED: KvEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    kind: KvEvent.Kind
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[KvEvent.Kind, str]] = ..., block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvEvents(_message.Message):
+    __slots__ = ("incarnation", "last", "reset", "snapshot", "events", "key_seed", "block_tokens")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SEED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    last: int
+    reset: bool
+    snapshot: _containers.RepeatedScalarFieldContainer[int]
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    key_seed: bytes
+    block_tokens: int
+    def __init__(self, incarnation: _Optional[str] = ..., last: _Optional[int] = ..., reset: _Optional[bool] = ..., snapshot: _Optional[_Iterable[int]] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., key_seed: _Optional[bytes] = ..., block_tokens: _Optional[int] = ...) -> None: ...

@@ -26,39 +26,39 @@ from . import common_pb2 as common__pb2
 from . import kv_pb2 as kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64\x65\x63ode.proto\x12\x0e\x63pserve.decode\x1a\x0c\x63ommon.proto\x1a\x08kv.proto\"c\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x11\n\tnum_forks\x18\x04 \x01(\r\"D\n\x0eReservationRef\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x11\n\x04\x66ork\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_fork\"%\n\x12\x42\x65ginWriteResponse\x12\x0f\n\x07lease_s\x18\x01 \x01(\x01\"!\n\x10\x45ndWriteResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xae\x01\n\x0fGenerateRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.cpserve.common.Sampling\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x0c\n\x04\x66ork\x18\x06 \x01(\r\x12\x12\n\noutput_ids\x18\x07 \x03(\r\"\x9f\x03\n\rGenerateEvent\x12\x34\n\x05token\x18\x01 \x01(\x0b\x32#.cpserve.decode.GenerateEvent.TokenH\x00\x12\x32\n\x04\x64one\x18\x02 \x01(\x0b\x32\".cpserve.decode.GenerateEvent.DoneH\x00\x12\x34\n\x05\x65rror\x18\x03 \x01(\x0b\x32#.cpserve.decode.GenerateEvent.ErrorH\x00\x1aQ\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12-\n\x07logprob\x18\x03 \x01(\x0b\x32\x1c.cpserve.common.TokenLogprob\x1aO\n\x04\x44one\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.cpserve.decode.FinishReason\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x1a\x41\n\x05\x45rror\x12\'\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x19.cpserve.decode.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\tB\x07\n\x05\x65vent\"\x1e\n\rAbortResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\x08\"\xc6\x01\n\x0c\x44\x65\x63odeStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0b\n\x03\x64\x63p\x18\x02 \x01(\r\x12\x11\n\trows_used\x18\x03 \x03(\x04\x12\x11\n\trows_free\x18\x04 \x03(\x04\x12\x12\n\nrows_total\x18\t \x03(\x04\x12\x13\n\x0brows_filled\x18\n \x03(\x04\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x14\n\x0creservations\x18\x06 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x07 \x01(\r\x12\x0f\n\x07serving\x18\x08 \x01(\x08*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1b\n\x17\x46INISH_REASON_PREEMPTED\x10\x04*\\\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x01\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x02\x32\xcb\x03\n\x06\x44\x65\x63ode\x12\x44\n\x07Reserve\x12\x1e.cpserve.decode.ReserveRequest\x1a\x19.cpserve.kv.KvDestination\x12P\n\nBeginWrite\x12\x1e.cpserve.decode.ReservationRef\x1a\".cpserve.decode.BeginWriteResponse\x12L\n\x08\x45ndWrite\x12\x1e.cpserve.decode.ReservationRef\x1a .cpserve.decode.EndWriteResponse\x12L\n\x08Generate\x12\x1f.cpserve.decode.GenerateRequest\x1a\x1d.cpserve.decode.GenerateEvent0\x01\x12\x46\n\x05\x41\x62ort\x12\x1e.cpserve.decode.ReservationRef\x1a\x1d.cpserve.decode.AbortResponse\x12\x45\n\x06Status\x12\x1d.cpserve.common.StatusRequest\x1a\x1c.cpserve.decode.DecodeStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64\x65\x63ode.proto\x12\x0e\x63pserve.decode\x1a\x0c\x63ommon.proto\x1a\x08kv.proto\"\x8b\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x11\n\tnum_forks\x18\x04 \x01(\r\x12\x12\n\nprompt_ids\x18\x05 \x03(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"D\n\x0eReservationRef\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x11\n\x04\x66ork\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_fork\"%\n\x12\x42\x65ginWriteResponse\x12\x0f\n\x07lease_s\x18\x01 \x01(\x01\"!\n\x10\x45ndWriteResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xae\x01\n\x0fGenerateRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.cpserve.common.Sampling\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x0c\n\x04\x66ork\x18\x06 \x01(\r\x12\x12\n\noutput_ids\x18\x07 \x03(\r\"\x9f\x03\n\rGenerateEvent\x12\x34\n\x05token\x18\x01 \x01(\x0b\x32#.cpserve.decode.GenerateEvent.TokenH\x00\x12\x32\n\x04\x64one\x18\x02 \x01(\x0b\x32\".cpserve.decode.GenerateEvent.DoneH\x00\x12\x34\n\x05\x65rror\x18\x03 \x01(\x0b\x32#.cpserve.decode.GenerateEvent.ErrorH\x00\x1aQ\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12-\n\x07logprob\x18\x03 \x01(\x0b\x32\x1c.cpserve.common.TokenLogprob\x1aO\n\x04\x44one\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.cpserve.decode.FinishReason\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x1a\x41\n\x05\x45rror\x12\'\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x19.cpserve.decode.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\tB\x07\n\x05\x65vent\"\x1e\n\rAbortResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\x08\"\x94\x02\n\x0c\x44\x65\x63odeStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0b\n\x03\x64\x63p\x18\x02 \x01(\r\x12\x11\n\trows_used\x18\x03 \x03(\x04\x12\x11\n\trows_free\x18\x04 \x03(\x04\x12\x12\n\nrows_total\x18\t \x03(\x04\x12\x13\n\x0brows_filled\x18\n \x03(\x04\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x14\n\x0creservations\x18\x06 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x07 \x01(\r\x12\x0f\n\x07serving\x18\x08 \x01(\x08\x12\x13\n\x0brows_cached\x18\x0b \x03(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0c \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\r \x01(\x04*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1b\n\x17\x46INISH_REASON_PREEMPTED\x10\x04*\\\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x01\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x02\x32\x92\x04\n\x06\x44\x65\x63ode\x12\x44\n\x07Reserve\x12\x1e.cpserve.decode.ReserveRequest\x1a\x19.cpserve.kv.KvDestination\x12P\n\nBeginWrite\x12\x1e.cpserve.decode.ReservationRef\x1a\".cpserve.decode.BeginWriteResponse\x12L\n\x08\x45ndWrite\x12\x1e.cpserve.decode.ReservationRef\x1a .cpserve.decode.EndWriteResponse\x12L\n\x08Generate\x12\x1f.cpserve.decode.GenerateRequest\x1a\x1d.cpserve.decode.GenerateEvent0\x01\x12\x46\n\x05\x41\x62ort\x12\x1e.cpserve.decode.ReservationRef\x1a\x1d.cpserve.decode.AbortResponse\x12\x45\n\x06Status\x12\x1d.cpserve.common.StatusRequest\x1a\x1c.cpserve.decode.DecodeStatus\x12\x45\n\x08KvEvents\x12\x1f.cpserve.common.KvEventsRequest\x1a\x18.cpserve.common.KvEventsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1130
-  _globals['_FINISHREASON']._serialized_end=1279
-  _globals['_ERRORCODE']._serialized_start=1281
-  _globals['_ERRORCODE']._serialized_end=1373
-  _globals['_RESERVEREQUEST']._serialized_start=56
-  _globals['_RESERVEREQUEST']._serialized_end=155
-  _globals['_RESERVATIONREF']._serialized_start=157
-  _globals['_RESERVATIONREF']._serialized_end=225
-  _globals['_BEGINWRITERESPONSE']._serialized_start=227
-  _globals['_BEGINWRITERESPONSE']._serialized_end=264
-  _globals['_ENDWRITERESPONSE']._serialized_start=266
-  _globals['_ENDWRITERESPONSE']._serialized_end=299
-  _globals['_GENERATEREQUEST']._serialized_start=302
-  _globals['_GENERATEREQUEST']._serialized_end=476
-  _globals['_GENERATEEVENT']._serialized_start=479
-  _globals['_GENERATEEVENT']._serialized_end=894
-  _globals['_GENERATEEVENT_TOKEN']._serialized_start=656
-  _globals['_GENERATEEVENT_TOKEN']._serialized_end=737
-  _globals['_GENERATEEVENT_DONE']._serialized_start=739
-  _globals['_GENERATEEVENT_DONE']._serialized_end=818
-  _globals['_GENERATEEVENT_ERROR']._serialized_start=820
-  _globals['_GENERATEEVENT_ERROR']._serialized_end=885
-  _globals['_ABORTRESPONSE']._serialized_start=896
-  _globals['_ABORTRESPONSE']._serialized_end=926
-  _globals['_DECODESTATUS']._serialized_start=929
-  _globals['_DECODESTATUS']._serialized_end=1127
-  _globals['_DECODE']._serialized_start=1376
-  _globals['_DECODE']._serialized_end=1835
+  _globals['_FINISHREASON']._serialized_start=1249
+  _globals['_FINISHREASON']._serialized_end=1398
+  _globals['_ERRORCODE']._serialized_start=1400
+  _globals['_ERRORCODE']._serialized_end=1492
+  _globals['_RESERVEREQUEST']._serialized_start=57
+  _globals['_RESERVEREQUEST']._serialized_end=196
+  _globals['_RESERVATIONREF']._serialized_start=198
+  _globals['_RESERVATIONREF']._serialized_end=266
+  _globals['_BEGINWRITERESPONSE']._serialized_start=268
+  _globals['_BEGINWRITERESPONSE']._serialized_end=305
+  _globals['_ENDWRITERESPONSE']._serialized_start=307
+  _globals['_ENDWRITERESPONSE']._serialized_end=340
+  _globals['_GENERATEREQUEST']._serialized_start=343
+  _globals['_GENERATEREQUEST']._serialized_end=517
+  _globals['_GENERATEEVENT']._serialized_start=520
+  _globals['_GENERATEEVENT']._serialized_end=935
+  _globals['_GENERATEEVENT_TOKEN']._serialized_start=697
+  _globals['_GENERATEEVENT_TOKEN']._serialized_end=778
+  _globals['_GENERATEEVENT_DONE']._serialized_start=780
+  _globals['_GENERATEEVENT_DONE']._serialized_end=859
+  _globals['_GENERATEEVENT_ERROR']._serialized_start=861
+  _globals['_GENERATEEVENT_ERROR']._serialized_end=926
+  _globals['_ABORTRESPONSE']._serialized_start=937
+  _globals['_ABORTRESPONSE']._serialized_end=967
+  _globals['_DECODESTATUS']._serialized_start=970
+  _globals['_DECODESTATUS']._serialized_end=1246
+  _globals['_DECODE']._serialized_start=1495
+  _globals['_DECODE']._serialized_end=2025
 # @@protoc_insertion_point(module_scope)

@@ -32,16 +32,20 @@ ERROR_CODE_UNAVAILABLE: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "max_new_tokens", "num_forks")
+    __slots__ = ("request_id", "num_tokens", "max_new_tokens", "num_forks", "prompt_ids", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_FORKS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     max_new_tokens: int
     num_forks: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., num_forks: _Optional[int] = ...) -> None: ...
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., num_forks: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ReservationRef(_message.Message):
     __slots__ = ("reservation_id", "fork")
@@ -121,7 +125,7 @@ class AbortResponse(_message.Message):
     def __init__(self, freed: _Optional[bool] = ...) -> None: ...
 
 class DecodeStatus(_message.Message):
-    __slots__ = ("model", "dcp", "rows_used", "rows_free", "rows_total", "rows_filled", "running", "reservations", "queue_depth", "serving")
+    __slots__ = ("model", "dcp", "rows_used", "rows_free", "rows_total", "rows_filled", "running", "reservations", "queue_depth", "serving", "rows_cached", "prefix_cache_queries", "prefix_cache_hits")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DCP_FIELD_NUMBER: _ClassVar[int]
     ROWS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +136,9 @@ class DecodeStatus(_message.Message):
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    ROWS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dcp: int
     rows_used: _containers.RepeatedScalarFieldContainer[int]
@@ -142,4 +149,7 @@ class DecodeStatus(_message.Message):
     reservations: int
     queue_depth: int
     serving: bool
-    def __init__(self, model: _Optional[str] = ..., dcp: _Optional[int] = ..., rows_used: _Optional[_Iterable[int]] = ..., rows_free: _Optional[_Iterable[int]] = ..., rows_total: _Optional[_Iterable[int]] = ..., rows_filled: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., reservations: _Optional[int] = ..., queue_depth: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...
+    rows_cached: _containers.RepeatedScalarFieldContainer[int]
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, model: _Optional[str] = ..., dcp: _Optional[int] = ..., rows_used: _Optional[_Iterable[int]] = ..., rows_free: _Optional[_Iterable[int]] = ..., rows_total: _Optional[_Iterable[int]] = ..., rows_filled: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., reservations: _Optional[int] = ..., queue_depth: _Optional[int] = ..., serving: _Optional[bool] = ..., rows_cached: _Optional[_Iterable[int]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...

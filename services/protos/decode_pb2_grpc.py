@@ -66,6 +66,11 @@ class DecodeStub:
                 request_serializer=common__pb2.StatusRequest.SerializeToString,
                 response_deserializer=decode__pb2.DecodeStatus.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_unary(
+                '/cpserve.decode.Decode/KvEvents',
+                request_serializer=common__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=common__pb2.KvEvents.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -117,6 +122,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """The blocks this service's cache stores and evicts (common.proto KvEvents).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +161,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=common__pb2.StatusRequest.FromString,
                     response_serializer=decode__pb2.DecodeStatus.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=common__pb2.KvEventsRequest.FromString,
+                    response_serializer=common__pb2.KvEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +330,33 @@ class Decode:
             '/cpserve.decode.Decode/Status',
             common__pb2.StatusRequest.SerializeToString,
             decode__pb2.DecodeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpserve.decode.Decode/KvEvents',
+            common__pb2.KvEventsRequest.SerializeToString,
+            common__pb2.KvEvents.FromString,
             options,
             channel_credentials,
             insecure,

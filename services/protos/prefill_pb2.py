@@ -26,7 +26,7 @@ from . import common_pb2 as common__pb2
 from . import kv_pb2 as kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rprefill.proto\x12\x0f\x63pserve.prefill\x1a\x0c\x63ommon.proto\x1a\x08kv.proto\"\xbb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.cpserve.common.Sampling\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.cpserve.kv.KvDestination\x12\x11\n\tnum_forks\x18\x05 \x01(\r\x12\x12\n\noutput_ids\x18\x06 \x03(\r\"W\n\tForkStart\x12\r\n\x05token\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12-\n\x07logprob\x18\x03 \x01(\x0b\x32\x1c.cpserve.common.TokenLogprob\"\xf1\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x12\n\ncompute_ms\x18\x08 \x01(\x01\x12\x12\n\nhandoff_ms\x18\t \x01(\x01\x12\x12\n\nservice_ms\x18\n \x01(\x01\x12\x33\n\rfirst_logprob\x18\x0b \x01(\x0b\x32\x1c.cpserve.common.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1c.cpserve.common.TokenLogprob\x12)\n\x05\x66orks\x18\r \x03(\x0b\x32\x1a.cpserve.prefill.ForkStart\"v\n\rServiceStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\n\n\x02\x63p\x18\x02 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x11\n\trows_used\x18\x04 \x01(\x04\x12\x11\n\trows_free\x18\x05 \x01(\x04\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x32\xa0\x01\n\x07Prefill\x12L\n\x07Prefill\x12\x1f.cpserve.prefill.PrefillRequest\x1a .cpserve.prefill.PrefillResponse\x12G\n\x06Status\x12\x1d.cpserve.common.StatusRequest\x1a\x1e.cpserve.prefill.ServiceStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rprefill.proto\x12\x0f\x63pserve.prefill\x1a\x0c\x63ommon.proto\x1a\x08kv.proto\"\xcf\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.cpserve.common.Sampling\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.cpserve.kv.KvDestination\x12\x11\n\tnum_forks\x18\x05 \x01(\r\x12\x12\n\noutput_ids\x18\x06 \x03(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"W\n\tForkStart\x12\r\n\x05token\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12-\n\x07logprob\x18\x03 \x01(\x0b\x32\x1c.cpserve.common.TokenLogprob\"\x8f\x03\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x12\n\ncompute_ms\x18\x08 \x01(\x01\x12\x12\n\nhandoff_ms\x18\t \x01(\x01\x12\x12\n\nservice_ms\x18\n \x01(\x01\x12\x33\n\rfirst_logprob\x18\x0b \x01(\x0b\x32\x1c.cpserve.common.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1c.cpserve.common.TokenLogprob\x12)\n\x05\x66orks\x18\r \x03(\x0b\x32\x1a.cpserve.prefill.ForkStart\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x0e \x01(\r\"\xc4\x01\n\rServiceStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\n\n\x02\x63p\x18\x02 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x11\n\trows_used\x18\x04 \x01(\x04\x12\x11\n\trows_free\x18\x05 \x01(\x04\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x12\x13\n\x0brows_cached\x18\x07 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x32\xe7\x01\n\x07Prefill\x12L\n\x07Prefill\x12\x1f.cpserve.prefill.PrefillRequest\x1a .cpserve.prefill.PrefillResponse\x12G\n\x06Status\x12\x1d.cpserve.common.StatusRequest\x1a\x1e.cpserve.prefill.ServiceStatus\x12\x45\n\x08KvEvents\x12\x1f.cpserve.common.KvEventsRequest\x1a\x18.cpserve.common.KvEventsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=59
-  _globals['_PREFILLREQUEST']._serialized_end=246
-  _globals['_FORKSTART']._serialized_start=248
-  _globals['_FORKSTART']._serialized_end=335
-  _globals['_PREFILLRESPONSE']._serialized_start=338
-  _globals['_PREFILLRESPONSE']._serialized_end=707
-  _globals['_SERVICESTATUS']._serialized_start=709
-  _globals['_SERVICESTATUS']._serialized_end=827
-  _globals['_PREFILL']._serialized_start=830
-  _globals['_PREFILL']._serialized_end=990
+  _globals['_PREFILLREQUEST']._serialized_end=266
+  _globals['_FORKSTART']._serialized_start=268
+  _globals['_FORKSTART']._serialized_end=355
+  _globals['_PREFILLRESPONSE']._serialized_start=358
+  _globals['_PREFILLRESPONSE']._serialized_end=757
+  _globals['_SERVICESTATUS']._serialized_start=760
+  _globals['_SERVICESTATUS']._serialized_end=956
+  _globals['_PREFILL']._serialized_start=959
+  _globals['_PREFILL']._serialized_end=1190
 # @@protoc_insertion_point(module_scope)

@@ -45,6 +45,11 @@ class PrefillStub:
                 request_serializer=common__pb2.StatusRequest.SerializeToString,
                 response_deserializer=prefill__pb2.ServiceStatus.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_unary(
+                '/cpserve.prefill.Prefill/KvEvents',
+                request_serializer=common__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=common__pb2.KvEvents.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -65,6 +70,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """The blocks this service's prefix cache stores and evicts (common.proto KvEvents).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +89,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=common__pb2.StatusRequest.FromString,
                     response_serializer=prefill__pb2.ServiceStatus.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=common__pb2.KvEventsRequest.FromString,
+                    response_serializer=common__pb2.KvEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +150,33 @@ class Prefill:
             '/cpserve.prefill.Prefill/Status',
             common__pb2.StatusRequest.SerializeToString,
             prefill__pb2.ServiceStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpserve.prefill.Prefill/KvEvents',
+            common__pb2.KvEventsRequest.SerializeToString,
+            common__pb2.KvEvents.FromString,
             options,
             channel_credentials,
             insecure,
