@@ -49,12 +49,12 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(p: argparse.ArgumentParser, quick: dict) -> argparse.Namespace:
-    """``p.parse_args()``; with ``--quick``, ``quick``'s values replace the defaults, so an
-    option given on the command line still wins over its quick value."""
-    if p.parse_known_args()[0].quick:
+def parse_args(p: argparse.ArgumentParser, quick: dict, argv: list[str] | None = None) -> argparse.Namespace:
+    """``p.parse_args(argv)`` (None: the command line); with ``--quick``, ``quick``'s values
+    replace the defaults, so an option given on the command line still wins over its quick value."""
+    if p.parse_known_args(argv)[0].quick:
         p.set_defaults(**quick)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def print_table(title: str, columns: list[str], rows: list[list]) -> None:

@@ -11,6 +11,8 @@ What one request measures (timestamps in this process, ``perf_counter``):
 - TPOT: (last output chunk - first) / (output tokens - 1), requests with >= 2 tokens.
 - output tokens: the final ``usage.completion_tokens`` (``stream_options.include_usage`` is
   always asked for), else the streamed ``token_ids``, else the count of output chunks.
+- cached tokens: the final ``usage.prompt_tokens_details.cached_tokens`` (the prompt tokens the
+  server's prefix cache held; None where the server does not say).
 
 A request fails (counts in ``errors``) on a non-200 answer, an error event in the stream, a
 dropped connection or timeout, or a stream without any output; the caller may also demand an
@@ -247,6 +249,7 @@ class Result:
     ids: list[int] = field(default_factory=list)  # the streamed token_ids, where the server sends them
     error: str | None = None
     response_id: str | None = None  # the stream's "id" (cpserve: the router's /debug/ttft key)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server sends it
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,7 @@ async def send(client: httpx.AsyncClient, target: Target, index: int, prompt: Pr
                     if usage:
                         completion_tokens = usage.get("completion_tokens")
                         res.prompt_tokens = usage.get("prompt_tokens")
+                        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     except (httpx.HTTPError, ValueError) as e:  # a timeout, a dropped connection, a broken event
         res.error = f"{type(e).__name__}: {e}"
     res.end = time.perf_counter()

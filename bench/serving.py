@@ -7,7 +7,7 @@ engine behind the same router and against the same engine offline.
         [--dataset random|FILE.jsonl] [--input-len N|LO,HI] [--output-len N] [--random-prompt ids|text]
         [--vocab-size V] [--endpoint completions|chat] [--model NAME] [--api-key KEY]
         [--slo-ttft MS] [--slo-tpot MS] [--no-ignore-eos] [--seed 0] [--level-timeout S]
-    python bench/serving.py [--model tiny|bench|DIR] [--clusters 2+2,1+1] [--ref-threads 1] ...
+    python bench/serving.py [--model tiny|bench|DIR] [--clusters 2+2,1+1] [--ref-threads 1] [--reuse on,off] ...
 
 Targets. ``--base-url`` (repeatable) names running servers; ``--model`` is then the name sent
 (default: each target's first id of ``GET /v1/models``) and ``--api-key`` goes in every request.
@@ -21,6 +21,15 @@ at the end:
   cluster). Prompt KV moves prefill → decode over the TCP transfer engine.
 - ``reference``: bench/reference_server.py, one ``ReferenceEngine`` (``--ref-threads``) behind
   the very same router code in one process, no KV moving anywhere.
+
+``--reuse on,off`` starts each cluster shape twice: with ``cpserve up``'s defaults (KV reuse on:
+``cluster P+D``) and with ``--no-prefix-cache`` (``cluster P+D no-reuse``); ``--reuse off`` only
+the second. Then every prompt is distinct — each level its own prompts, the warm-up another, no
+two sharing their first 16-token page, so no two share any page-aligned prefix — and every
+request's ``usage.prompt_tokens_details.cached_tokens`` (and the router's
+``decode_cached_tokens``) must be 0 (``cached_nonzero`` counts those that are not); the table
+and the JSON (``reuse_ratios``) give each shape's throughput and TTFT / TPOT with reuse on over
+off, per level: what keeping and looking up reusable KV costs when nothing is reused.
 
 Here ``--model`` is the checkpoint (``bench``: the benchmark model of bench/common.py).
 
@@ -136,6 +145,10 @@ def parse_args() -> argparse.Namespace:
                    help="without --base-url: cluster shapes, prefill CP + decode DCP (default 2+2,1+1; --quick 1+1)")
     p.add_argument("--ref-threads", type=int, default=1,
                    help="without --base-url: torch threads of the reference server (default 1)")
+    p.add_argument("--reuse", default=None, metavar="on,off",
+                   help="without --base-url: each cluster shape with KV reuse on (cpserve up's default) and/or off "
+                        "(--no-prefix-cache), as separate targets, on distinct prompts (default: one cluster per "
+                        "shape, cpserve up's default)")
     args = p.parse_args()
 
     def numbers(flag: str, text: str, kind) -> list:
@@ -172,6 +185,7 @@ def parse_args() -> argparse.Namespace:
     if not args.base_url:
         args.model = bench_model_dir() if args.model == "bench" else (args.model or "tiny")
         args.shapes = parse_shapes(p, args.clusters or ("1+1" if args.quick else "2+2,1+1"))
+    args.reuse = parse_reuse(p, args.reuse)
     args.parser = p
     return args
 
@@ -179,7 +193,8 @@ def parse_args() -> argparse.Namespace:
 def check_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Options that belong to one mode only are usage errors in the other."""
     if args.base_url:
-        for flag, given in (("--clusters", args.clusters), ("--ref-threads", args.ref_threads != 1)):
+        for flag, given in (("--clusters", args.clusters), ("--ref-threads", args.ref_threads != 1),
+                            ("--reuse", args.reuse)):
             if given:
                 p.error(f"{flag} applies only without --base-url (to the servers this script starts)")
     else:
@@ -207,6 +222,47 @@ def parse_shapes(p: argparse.ArgumentParser, text: str) -> list[tuple[int, int]]
     return shapes
 
 
+def parse_reuse(p: argparse.ArgumentParser, text: str | None) -> list[bool] | None:
+    """``--reuse``: the list of reuse settings (True: on) in the order given; None: not given."""
+    if text is None:
+        return None
+    values = text.split(",")
+    if not values or any(v not in ("on", "off") for v in values) or len(set(values)) != len(values):
+        p.error(f"--reuse: expected on, off or on,off, got {text!r}")
+    return [v == "on" for v in values]
+
+
+PAGE_TOKENS = 16  # the services' cache page (page_size): KV is reused in whole pages
+
+
+def distinct_first_pages(prompts: list[Prompt], vocab: int, seed: int) -> list[Prompt]:
+    """``prompts`` with the first page of any prompt that repeats an earlier prompt's first
+    page drawn again (seeded) until it does not: no two then share a page-aligned prefix, and a
+    prefix cache has nothing to reuse between them. Prompts shorter than a page stay as they are
+    (a cache reuses whole pages only)."""
+    import random
+
+    rng = random.Random(f"{seed}:pages")
+    seen, out = set(), []
+    for prompt in prompts:
+        ids = list(prompt.token_ids)
+        if len(ids) >= PAGE_TOKENS:
+            while tuple(ids[:PAGE_TOKENS]) in seen:
+                ids[:PAGE_TOKENS] = [rng.randrange(3, vocab) for _ in range(PAGE_TOKENS)]
+            seen.add(tuple(ids[:PAGE_TOKENS]))
+        out.append(Prompt({**prompt.payload, "prompt": ids}, prompt.output_len))
+    return out
+
+
+def level_prompts(args: argparse.Namespace, prompts: list[Prompt], index: int) -> list[Prompt]:
+    """The prompts of level ``index``: the same for every level, or with ``--reuse`` each
+    level's own (``per_level`` of the largest level apart)."""
+    if args.reuse is None:
+        return prompts
+    n = max(per_level(args, lv) for lv in args.levels)
+    return prompts[index * n:(index + 1) * n]
+
+
 def per_level(args: argparse.Namespace, level: Level) -> int:
     if args.num_prompts:
         return args.num_prompts
@@ -225,10 +281,17 @@ class OwnServers:
         from services.up import cluster_args, cluster_threads
 
         self.model, self.ref_threads = args.model, args.ref_threads
-        self.clusters = [f"cluster {cp}+{dcp}" for cp, dcp in args.shapes]
-        self.spaces = {name: cluster_args(["--model", args.model, "--prefill-cp", str(cp), "--decode-dcp", str(dcp),
-                                           "--cp-strategy", "interleave", "--indexer", "copied", "--dcp-comm", "a2a"])
-                       for name, (cp, dcp) in zip(self.clusters, args.shapes)}
+        self.spaces, self.reuse_pairs = {}, []  # reuse_pairs: (reuse on, reuse off) names of one shape
+        for cp, dcp in args.shapes:
+            argv = ["--model", args.model, "--prefill-cp", str(cp), "--decode-dcp", str(dcp),
+                    "--cp-strategy", "interleave", "--indexer", "copied", "--dcp-comm", "a2a"]
+            name = f"cluster {cp}+{dcp}"
+            for reuse in args.reuse or [None]:
+                self.spaces[name if reuse is not False else f"{name} no-reuse"] = cluster_args(
+                    argv + ([] if reuse is not False else ["--no-prefix-cache"]))
+            if args.reuse and len(args.reuse) == 2:
+                self.reuse_pairs.append((name, f"{name} no-reuse"))
+        self.clusters = list(self.spaces)
         self.threads = {name: cluster_threads(ns, quiet=True)["prefill"] or 1 for name, ns in self.spaces.items()}
         self.running: dict[str, list] = {}
         self.ref = None
@@ -268,18 +331,25 @@ class OwnServers:
 
 
 def random_prompts(args: argparse.Namespace, first: Target, n: int) -> list[Prompt]:
+    """``n`` prompts; with ``--reuse`` one level's worth per level, no two sharing a first page,
+    and one more (last) for the warm-up."""
     if args.random_prompt == "text":
         return random_text(n, args.lengths, args.output_len, tokens_per_word(first, args.seed), args.seed,
                            chat=args.endpoint == "chat")
-    if args.vocab_size:
-        vocab = args.vocab_size
-    elif args.base_url:
-        vocab = BYTE_VOCAB
-    else:
-        from engine.model.config import ModelConfig
+    if args.reuse is not None:
+        prompts = random_ids(n * len(args.levels) + 1, args.lengths, args.output_len, vocab_size(args), args.seed)
+        return distinct_first_pages(prompts, vocab_size(args), args.seed)
+    return random_ids(n, args.lengths, args.output_len, vocab_size(args), args.seed)
 
-        vocab = ModelConfig.load(args.model).vocab_size
-    return random_ids(n, args.lengths, args.output_len, vocab, args.seed)
+
+def vocab_size(args: argparse.Namespace) -> int:
+    if args.vocab_size:
+        return args.vocab_size
+    if args.base_url:
+        return BYTE_VOCAB
+    from engine.model.config import ModelConfig
+
+    return ModelConfig.load(args.model).vocab_size
 
 
 def warm_up(target: Target, prompt: Prompt, opts: RequestOptions) -> None:
@@ -315,24 +385,30 @@ def measure(args: argparse.Namespace, targets: list[Target], prompts: list[Promp
     with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
         for li, level in enumerate(args.levels):
             n = per_level(args, level)
+            lp = level_prompts(args, prompts, li)
             before = {t.name: ttft_stage_sums(t) if t.is_cpserve else {} for t in targets}
             if level.concurrency == 1:
                 bar.set_postfix_str(f"every target {level.label}, interleaved")
-                got = interleaved(args, targets, prompts, n, opts, offline if li == 0 else None, lambda: bar.update(1))
+                got = interleaved(args, targets, lp, n, opts, offline if li == 0 else None, lambda: bar.update(1))
             else:
                 got = {}
                 k = li % len(targets)
                 for t in targets[k:] + targets[:k]:  # rotate: share the noise
                     bar.set_postfix_str(f"{t.name} {level.label}")
-                    results, start = asyncio.run(run_level(t, prompts, n, level, opts, args.level_timeout, args.seed,
+                    results, start = asyncio.run(run_level(t, lp, n, level, opts, args.level_timeout, args.seed,
                                                            lambda: bar.update(1)))
                     got[t.name] = results, start, None
             for t in targets:
                 results, start, wall = got[t.name]
                 s = stats[t.name, level] = summarise(results, n, start, args.slo_ttft, args.slo_tpot, wall)
+                s["cached_nonzero"] = sum(1 for r in results if r.error is None and (r.cached_tokens or 0) > 0)
                 if t.is_cpserve:
+                    records = request_ttft_records(t)
                     s["ttft_stages_ms"] = stage_means_ms(before[t.name], ttft_stage_sums(t))
-                    s["ttft_bound"] = ttft_bound_check(results, request_ttft_records(t))
+                    s["ttft_bound"] = ttft_bound_check(results, records)
+                    s["decode_cached_nonzero"] = sum(
+                        1 for r in results if r.error is None
+                        and ((records.get(r.response_id) or {}).get("decode_cached_tokens") or 0) > 0)
                 ids[t.name, level] = {r.index: r.ids for r in results if r.error is None}
                 bar.update(s["not_started"])
     return stats, ids
@@ -448,20 +524,21 @@ def offline_comparison(args: argparse.Namespace, own: OwnServers, stats: dict, i
 
     compared, mismatches = 0, []
 
-    def compare(what: str, a: dict, b: dict) -> None:
+    def compare(what: str, a: dict, b: dict, sent: list[Prompt]) -> None:
         nonlocal compared
         for i in sorted(set(a) & set(b)):
             compared += 1
             if a[i] != b[i]:
                 at = next((k for k, (x, y) in enumerate(zip(a[i], b[i])) if x != y), min(len(a[i]), len(b[i])))
-                mismatches.append(f"{what} request {i} ({len(prompts[i].token_ids)} prompt tokens): first differs at "
+                mismatches.append(f"{what} request {i} ({len(sent[i].token_ids)} prompt tokens): first differs at "
                                   f"output {at}")
 
-    for level in levels:
+    for li, level in enumerate(levels):
         for name in own.clusters:
-            compare(f"{name} vs reference {level.label}", ids[name, level], ids["reference", level])
+            compare(f"{name} vs reference {level.label}", ids[name, level], ids["reference", level],
+                    level_prompts(args, prompts, li))
     for name in own.clusters:
-        compare(f"{name} {first.label} vs offline", ids[name, first], offline[own.threads[name]]["_ids"])
+        compare(f"{name} {first.label} vs offline", ids[name, first], offline[own.threads[name]]["_ids"], prompts)
     match = compared > 0 and not mismatches
 
     batch_level = Level(concurrency=batch_c)
@@ -511,6 +588,36 @@ def offline_comparison(args: argparse.Namespace, own: OwnServers, stats: dict, i
 
 
 # ---- report ----------------------------------------------------------------------------------------
+def reuse_report(args: argparse.Namespace, own: OwnServers, stats: dict) -> dict:
+    """``--reuse``: every request's cached tokens (distinct prompts: all must be 0), and each
+    shape's reuse-on figures over its reuse-off twin's, per level."""
+    keys = ("output_throughput_tok_s", "ttft_ms_p50", "tpot_ms_p50")
+    ratios, rows = [], []
+    for on, off in own.reuse_pairs:
+        for level in args.levels:
+            a, b = stats[on, level], stats[off, level]
+            row = {"target": on, "no_reuse_target": off, "level": level.label,
+                   "throughput_on_tok_s": a["output_throughput_tok_s"],
+                   "throughput_off_tok_s": b["output_throughput_tok_s"],
+                   **{f"{k}_on_over_off": ratio(a[k], b[k]) for k in keys},
+                   "cached_nonzero_on": a["cached_nonzero"], "cached_nonzero_off": b["cached_nonzero"]}
+            ratios.append(row)
+            rows.append([on, level.label, row["throughput_on_tok_s"], row["throughput_off_tok_s"],
+                         *(row[f"{k}_on_over_off"] for k in keys), row["cached_nonzero_on"], row["cached_nonzero_off"]])
+    if rows:
+        print_table("KV reuse on / off (--no-prefix-cache), distinct prompts",
+                    ["cluster", "level", "on out tok/s", "off out tok/s", "throughput on/off", "TTFT p50 on/off",
+                     "TPOT p50 on/off", "cached>0 on", "cached>0 off"], rows)
+    clusters = [(name, lv) for name in own.clusters for lv in args.levels]
+    cached = sum(stats[k]["cached_nonzero"] for k in clusters)
+    decode = sum(stats[k].get("decode_cached_nonzero", 0) for k in clusters)
+    completed = sum(stats[k]["completed"] for k in clusters)
+    print(f"cached tokens (distinct prompts, expected none): {cached} of {completed} cluster requests reported prefill "
+          f"cached tokens, {decode} decode cached tokens")
+    return {"reuse": ["on" if r else "off" for r in args.reuse], "reuse_ratios": ratios, "cached_nonzero": cached,
+            "decode_cached_nonzero": decode}
+
+
 FIGURES = [f"{m}_ms_p{q}" for m in ("ttft", "tpot", "itl") for q in PERCENTILES]
 
 
@@ -630,7 +737,7 @@ def main() -> None:
             probe(t, None if own else args.model)
         prompts = prompts or random_prompts(args, targets[0], n)
         for t in targets:
-            warm_up(t, prompts[0], opts)
+            warm_up(t, prompts[-1] if args.reuse is not None else prompts[0], opts)
         engines = offline_engines(args, own, prompts) if own else {}
         stats, ids = measure(args, targets, prompts, opts, engines)
     except RuntimeError as e:
@@ -641,6 +748,8 @@ def main() -> None:
 
     ratios = report(args, targets, stats, "reference" if own else targets[0].name)
     extra = offline_comparison(args, own, stats, ids, prompts, engines) if own else {}
+    if own and args.reuse is not None:
+        extra.update(reuse_report(args, own, stats))
     plot(args, targets, stats)
     wall = time.perf_counter() - t_all
     print(f"wall time: {wall:.1f} s")
