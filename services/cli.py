@@ -263,6 +263,15 @@ def build_parser_serve_router(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=None,
                    help="requests that may wait for decode rows before a 429 (256)")
     p.add_argument("--max-wait-s", type=float, default=None, help="how long a request waits for decode rows (30)")
+    p.add_argument("--pairing", choices=["cache_aware", "load"], default=None,
+                   help="which pair takes a request: cache_aware (default): where its prefix is cached, unless "
+                        "much busier; load: least outstanding work only")
+    p.add_argument("--balance-abs", type=int, default=None,
+                   help="cache_aware: a service whose load exceeds the least by more than this (4) and ...")
+    p.add_argument("--balance-rel", type=float, default=None,
+                   help="... more than this many times (1.5) is passed over for cache reasons")
+    p.add_argument("--cache-threshold", type=float, default=None,
+                   help="cache_aware: a cached prefix counts only if it covers this fraction of the prompt (0.25)")
     add_model_serving_args(p)
     p.set_defaults(handler=run_serve_router, cmd_parser=p)
     return p

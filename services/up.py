@@ -145,6 +145,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill pushes each layer's KV to decode while later layers compute (default on; "
                         "--no-overlap: the whole prompt's KV after its forward)")
+    p.add_argument("--pairing", choices=["cache_aware", "load"], default=None,
+                   help="router: which pair takes a request: cache_aware (default: where its prefix is cached, "
+                        "unless much busier) or load (least outstanding work only)")
     p.add_argument("--decode-dcp", type=int, default=None, help="decode context-parallel ranks (default 2)")
     p.add_argument("--indexer", choices=["copied", "split"], default=None)
     p.add_argument("--dcp-comm", choices=["a2a", "ag_rs"], default=None)
@@ -301,7 +304,8 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
                                                   ("--trust-remote-code", args.trust_remote_code),
                                                   ("--chat-template", args.chat_template),
                                                   ("--generation-config", args.generation_config),
-                                                  ("--max-model-len", args.max_model_len)])
+                                                  ("--max-model-len", args.max_model_len),
+                                                  ("--pairing", args.pairing)])
                        + ["--backends-from-stdin"], quiet, env=env)
         children.append(router)
         deadline = time.monotonic() + args.start_timeout_s

@@ -551,8 +551,8 @@ def test_bad_requests_are_4xx_naming_the_field_and_the_router_keeps_serving(star
 
 # Fields that never change the output (accepted, logged once) and output-changing ones we do not
 # implement (refused unless neutral): one example value each, so both lists stay covered.
-IGNORED_EXAMPLES = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
-                    "parallel_tool_calls": False, "prompt_cache_key": "k", "safety_identifier": "s"}
+IGNORED_EXAMPLES = {"metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                    "parallel_tool_calls": False, "safety_identifier": "s"}
 UNSUPPORTED_EXAMPLES = {"best_of": 2, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
                         "functions": [{"name": "f"}], "function_call": "auto", "response_format": {"type": "json_object"},
                         "modalities": ["text", "audio"], "min_p": 0.1, "use_beam_search": True, "echo": True,

@@ -200,13 +200,20 @@ def test_each_service_serves_its_own_metrics_with_per_rank_rows(services, refere
     for text, kind in ((pre, "prefill"), (dec, "decode")):
         assert value(text, f"cpserve_{kind}_queue_depth") == 0
         assert value(text, f"cpserve_{kind}_cache_rows_free", rank=1) > 0
+    # the finished request's full pages stay cached: counted as filled (and as free: reclaimable)
+    before = services.wait_rows_free()
+    cached = value(httpx.get(services.metrics_urls[1], trust_env=False).text, "cpserve_decode_cache_rows_cached",
+                   rank=0)
+    assert cached > 0 and list(before.rows_filled) == [cached, cached] and list(before.rows_cached) == [cached] * 2
+    assert value(dec, "cpserve_decode_prefix_cache_queries_total") >= 0
+    assert value(pre, "cpserve_prefill_prefix_cache_queries_total") >= len(prompt)
     # each decode rank reports its own rows: 5 reserved tokens are 3 on rank 0, 2 on rank 1
     dest = services.reserve(5, 1)
     try:
-        assert list(services.status().rows_filled) == [3, 2]
+        assert [a - b for a, b in zip(services.status().rows_filled, before.rows_filled)] == [3, 2]
         dec = httpx.get(services.metrics_urls[1], trust_env=False).text
         assert (value(dec, "cpserve_decode_cache_rows_filled", rank=0),
-                value(dec, "cpserve_decode_cache_rows_filled", rank=1)) == (3, 2)
+                value(dec, "cpserve_decode_cache_rows_filled", rank=1)) == (cached + 3, cached + 2)
     finally:
         services.decode.Abort(decode_pb2.ReservationRef(reservation_id=dest.reservation_id), timeout=RPC_S)
 

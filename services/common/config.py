@@ -260,6 +260,15 @@ class RouterConfig(_InternalPlaneConfig):
     generation_config: Literal["auto", "none"] = "auto"
     # prompt + max_tokens limit (default: the config's max_position_embeddings, capped by the cache)
     max_model_len: int | None = Field(None, ge=1)
+    # which (prefill, decode) pair takes a request (services/router/pairing.py): cache_aware =
+    # the most KV expected to be reused on both sides, unless that service is much busier than
+    # the least loaded of its kind (load > min + balance_abs and > balance_rel x min); load =
+    # least outstanding work only
+    pairing: Literal["cache_aware", "load"] = "cache_aware"
+    balance_abs: int = Field(4, ge=0)
+    balance_rel: float = Field(1.5, ge=1.0)
+    # ... and a service's cached prefix counts only if it covers this fraction of the request
+    cache_threshold: float = Field(0.25, ge=0.0, le=1.0)
 
     @property
     def model_name(self) -> str:

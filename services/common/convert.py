@@ -112,7 +112,7 @@ def finish_reason_to_proto(reason: str) -> int:
     return _FINISH_REASONS[reason]
 
 
-MAX_CACHE_SALT = 1024  # characters
+MAX_CACHE_SALT = 256  # characters (the router allows as many)
 
 
 def check_cache_salt(salt: str) -> str:

@@ -14,6 +14,7 @@ cpserve_<kind>_prefix_cache_hits_total       of those, tokens found (prefill: no
 cpserve_<kind>_queue_depth                   requests waiting for the engine
 cpserve_<kind>_serving                       1 while the rank group serves (0: failed/rebuilding)
 cpserve_<kind>_step_seconds                  histogram: one engine step (a forward)
+cpserve_prefill_requests_total               prefill requests this service answered
 cpserve_prefill_kv_transfer_bytes_total      KV bytes this service wrote to decode
 cpserve_prefill_kv_transfer_seconds_total    time its ranks spent in those writes (slowest rank)
 ===========================================  ==================================================
@@ -78,6 +79,7 @@ class ServiceMetrics:
         self.step_seconds = Histogram(f"cpserve_{kind}_step_seconds", "One engine step (a forward over the batch)",
                                       buckets=_STEP_BUCKETS, registry=r)
         if kind == "prefill":
+            self.requests = Counter("cpserve_prefill_requests", "Prefill requests answered", registry=r)
             self.transfer_bytes = Counter("cpserve_prefill_kv_transfer_bytes", "KV bytes written to decode",
                                           registry=r)
             self.transfer_seconds = Counter("cpserve_prefill_kv_transfer_seconds",

@@ -204,6 +204,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             if seq.logprobs:
                 response.first_logprob.CopyFrom(logprob_to_proto(seq.logprobs[0]))
             if self.metrics is not None:
+                self.metrics.requests.inc()
                 self.metrics.transfer_bytes.inc(response.transfer_bytes)
                 self.metrics.transfer_seconds.inc(response.transfer_ms / 1e3)
         except Exception as e:

@@ -3,10 +3,15 @@
 Two small interfaces, one implementation each over grpc.aio (tests substitute in-process fakes):
 
 - :class:`PrefillClient` — ``prefill`` (prompt + an opaque KV destination → first token),
-  ``status``, ``check_health``;
+  ``status``, ``check_health``, ``kv_events``;
 - :class:`DecodeClient` — ``reserve`` (→ :class:`Reservation`, whose ``destination`` the router
   copies into the prefill call without opening it), ``generate`` (one fork's tokens from the
-  second on), ``abort`` (the reservation, or one fork of it), ``status``, ``check_health``.
+  second on), ``abort`` (the reservation, or one fork of it), ``status``, ``check_health``,
+  ``kv_events``.
+
+``kv_events`` (protos/common.proto ``KvEvents``: the blocks the service's cache stores and
+evicts, for the router's prefix index) answers None where the service keeps no index (a
+service that answers UNIMPLEMENTED, or a client without the call).
 
 A :class:`Job` with ``num_forks`` n is n samples of one prompt: one reservation and one prefill,
 then one ``generate`` per fork. A job with ``output_ids`` resumes a preempted generation.
@@ -49,13 +54,17 @@ class BackendError(Exception):
 class Job:
     """One generation (or ``num_forks`` of one prompt) as the backends see it: token ids in,
     token ids out. ``output_ids``: a resumed generation's tokens so far (prefilled after the
-    prompt; the next token comes back first)."""
+    prompt; the next token comes back first). ``cache_salt``: jobs with different salts never
+    share cached rows ("": no salt). ``affinity``: the client's name for a conversation
+    (``prompt_cache_key``, else ``user``): a pairing hint, never sent to a service."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: common_pb2.Sampling
     num_forks: int = 1
     output_ids: tuple[int, ...] = ()
+    cache_salt: str = ""
+    affinity: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +102,7 @@ class FirstToken:
     logprob: Any = None  # common_pb2.TokenLogprob of the token, when asked for
     prompt_logprobs: tuple = ()  # common_pb2.TokenLogprob of prompt tokens 1.., when asked for
     forks: tuple[ForkStart, ...] = ()  # forks 1 .. num_forks - 1
+    decode_cached_tokens: int = 0  # leading tokens the decode service already held (prefill did not send them)
 
     def fork(self, j: int) -> ForkStart:
         return ForkStart(self.token, self.seed, self.logprob) if j == 0 else self.forks[j - 1]
@@ -105,6 +115,8 @@ class Token:
     cached_tokens: int = 0  # on the first token: prompt tokens the prefill prefix cache held
     logprob: Any = None  # common_pb2.TokenLogprob (.logprob, .top_ids, .top_logprobs), when asked for
     prompt_logprobs: tuple = ()  # on the first token, with echo / prompt logprobs
+    decode_cached_tokens: int = 0  # on the first token: prompt tokens decode's cache held (not sent)
+    transfer_bytes: int = 0  # on the first token: KV bytes prefill sent to decode
 
 
 @dataclass(frozen=True)
@@ -147,6 +159,10 @@ class PrefillClient(ABC):
     async def check_health(self, timeout: float) -> bool:
         """True if the service says SERVING (grpc.health.v1); BackendError if unreachable."""
 
+    async def kv_events(self, incarnation: str, after: int, timeout: float) -> common_pb2.KvEvents | None:
+        """The cache's events after ``after`` of ``incarnation`` (or a snapshot); None: no index."""
+        return None
+
     async def close(self) -> None:
         pass
 
@@ -173,6 +189,10 @@ class DecodeClient(ABC):
     @abstractmethod
     async def check_health(self, timeout: float) -> bool: ...
 
+    async def kv_events(self, incarnation: str, after: int, timeout: float) -> common_pb2.KvEvents | None:
+        """As :meth:`PrefillClient.kv_events`."""
+        return None
+
     async def close(self) -> None:
         pass
 
@@ -197,6 +217,16 @@ class _GrpcService:
             raise _error(e, self.address) from None
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
+    async def kv_events(self, incarnation: str, after: int, timeout: float) -> common_pb2.KvEvents | None:
+        """None when the service answers UNIMPLEMENTED (it keeps no index)."""
+        try:
+            return await self.stub.KvEvents(common_pb2.KvEventsRequest(incarnation=incarnation, after=after),
+                                            timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise _error(e, self.address) from None
+
     async def close(self) -> None:
         await self.channel.close()
 
@@ -208,7 +238,8 @@ class GrpcPrefillClient(_GrpcService, PrefillClient):
 
     async def prefill(self, job: Job, destination: Any, timeout: float) -> FirstToken:
         req = prefill_pb2.PrefillRequest(request_id=job.request_id, prompt_ids=job.prompt_ids, sampling=job.sampling,
-                                         destination=destination, num_forks=job.num_forks, output_ids=job.output_ids)
+                                         destination=destination, num_forks=job.num_forks, output_ids=job.output_ids,
+                                         cache_salt=job.cache_salt)
         try:
             r = await self.stub.Prefill(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
@@ -217,7 +248,7 @@ class GrpcPrefillClient(_GrpcService, PrefillClient):
                           r.queue_ms, r.compute_ms, r.handoff_ms,
                           r.first_logprob if r.HasField("first_logprob") else None, tuple(r.prompt_logprobs),
                           tuple(ForkStart(f.token, f.seed, f.logprob if f.HasField("logprob") else None)
-                                for f in r.forks))
+                                for f in r.forks), r.decode_cached_tokens)
 
     async def status(self, timeout: float) -> PrefillLoad:
         try:
@@ -240,7 +271,8 @@ class GrpcDecodeClient(_GrpcService, DecodeClient):
     async def reserve(self, job: Job, timeout: float) -> Reservation:
         req = decode_pb2.ReserveRequest(request_id=job.request_id, num_tokens=job.num_tokens,
                                         max_new_tokens=job.sampling.max_new_tokens - len(job.output_ids),
-                                        num_forks=job.num_forks)
+                                        num_forks=job.num_forks, prompt_ids=job.prompt_ids + job.output_ids,
+                                        cache_salt=job.cache_salt)
         try:
             dest = await self.stub.Reserve(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from services.router.backend import BackendError, Done, Job
+from services.router.backend import BackendError, Done, Job, Token
 from services.router.dispatch import Dispatcher, Start
 from services.router.metrics import RouterMetrics
 from services.router.stages import TTFT_STAGES, TtftClock
@@ -85,6 +85,7 @@ class CompletionRunner:
         m = self.metrics
         outcome, reason = "cancelled", "abort"  # unless we get to the end
         cached = 0  # prompt tokens from the prefill prefix cache (known from the first token)
+        first = None  # the first token: it carries the start's cache and transfer figures
         m.in_flight.inc()
         m.num_requests_waiting.inc()
         try:
@@ -97,9 +98,9 @@ class CompletionRunner:
                         yield Finished(reason, tail, len(req.job.prompt_ids), len(token_times), event.cached_tokens)
                         return
                     if event.index == 0:
-                        cached = event.cached_tokens
+                        cached, first = event.cached_tokens, event
                     delta = TokenDelta(event.id, event.index, text.push(event.id), event.logprob, event.prompt_logprobs)
-                    self._observe_token(token_times, clock, len(req.job.prompt_ids), cached, req.job.request_id)
+                    self._observe_token(token_times, clock, len(req.job.prompt_ids), first, req.job.request_id)
                     if text.stopped:
                         outcome, reason = "ok", "stop"
                         yield delta
@@ -125,7 +126,7 @@ class CompletionRunner:
                 if len(token_times) > 1:
                     m.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
 
-    def _observe_token(self, token_times: list[float], clock: TtftClock, prompt_tokens: int, cached: int,
+    def _observe_token(self, token_times: list[float], clock: TtftClock, prompt_tokens: int, first: Token | None,
                        request_id: str) -> None:
         m, now = self.metrics, time.perf_counter()
         m.generation_tokens.inc()
@@ -139,11 +140,14 @@ class CompletionRunner:
         m.time_to_first_token.observe(now - clock.start)
         for stage in TTFT_STAGES:
             m.ttft_stage.labels(stage).observe(clock.stages.get(stage, 0.0))
+        first = first or Token(0, 0)
         m.recent_ttft.append({"id": request_id, "ttft_ms": (now - clock.start) * 1e3,
-                              "stages_ms": {k: clock.stages.get(k, 0.0) * 1e3 for k in TTFT_STAGES}})
+                              "stages_ms": {k: clock.stages.get(k, 0.0) * 1e3 for k in TTFT_STAGES},
+                              "cached_tokens": first.cached_tokens, "decode_cached_tokens": first.decode_cached_tokens,
+                              "transfer_bytes": first.transfer_bytes})
         m.request_queue_time.observe(sum(clock.stages.get(stage, 0.0) for stage in QUEUE_STAGES))
         m.prompt_tokens.inc(prompt_tokens)
         m.prefix_cache_queries.inc(prompt_tokens)
-        m.prefix_cache_hits.inc(cached)
+        m.prefix_cache_hits.inc(first.cached_tokens)
         m.num_requests_waiting.dec()
         m.num_requests_running.inc()

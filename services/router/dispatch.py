@@ -5,7 +5,9 @@ The protocol per attempt (protos/decode.proto, protos/prefill.proto):
 
 1. ``Decode.Reserve`` on the chosen decode service → a KV destination (opaque here) for the
    prompt's rows; when no decode service has rows now, the request waits in the admission
-   queue (admission.py) and tries again;
+   queue (admission.py) and tries again. With cache-aware pairing the pair is chosen by the
+   job's block keys (hashed once per start, off the event loop, once per distinct key seed of
+   the services) looked up in each service's prefix index (pairing.py has the rule);
 2. ``Prefill.Prefill(prompt, destination)`` → the first token (KV goes prefill → decode directly);
 3. the first token is handed to the caller at once;
 4. ``Decode.Generate`` streams the rest.
@@ -24,8 +26,13 @@ Failure rules:
   stream is cancelled and its share of the reservation released (an Abort after a commit is a
   harmless no-op);
 - a stream that ends with ``preempted`` (the decode service ran out of rows) is resumed: a new
-  job of prompt + the tokens so far, with the fork's seed, is reserved (ahead of new requests in
-  the admission queue), prefilled and streamed on; the caller sees one stream.
+  job of prompt + the tokens so far, with the fork's seed, salt and affinity, is reserved (ahead
+  of new requests in the admission queue), prefilled and streamed on; the caller sees one stream.
+
+What a request leaves in the caches is recorded in the services' indexes at once, provisionally
+(prefix_index.py), until a poll brings the services' own events: the prefill's, its prompt's
+blocks, when it answers; the decode's, prompt + generated tokens but the last, when a fork's
+stream ends with ``stop`` or ``length``.
 """
 
 from __future__ import annotations
@@ -38,11 +45,13 @@ from typing import AsyncIterator
 
 import grpc
 
+from engine.cache.content_key import block_keys
 from services.protos import common_pb2
 from services.router.admission import Admission, Overloaded
 from services.router.backend import BackendError, DecodeClient, Done, FirstToken, Job, PrefillClient, Reservation, Token
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Cluster, Endpoint
+from services.router.prefix_index import keys_by_seed
 from services.router.stages import TtftClock
 
 logger = logging.getLogger("cpserve.router")
@@ -121,11 +130,15 @@ class Dispatcher:
                 raise
             head = first.fork(fork)
             cached = first.cached_tokens if cached is None else cached
+            routed = decode.index.incarnation
             done: Done | None = None
             try:
                 with Cluster.busy(decode):
-                    yield Token(head.token, len(outputs), cached if not outputs else 0, head.logprob,
-                                first.prompt_logprobs if not outputs else ())
+                    if outputs:
+                        yield Token(head.token, len(outputs), logprob=head.logprob)
+                    else:  # the client's first token carries the start's cache and transfer figures
+                        yield Token(head.token, 0, cached, head.logprob, first.prompt_logprobs,
+                                    first.decode_cached_tokens, first.transfer_bytes)
                     outputs.append(head.token)
                     events = self.decode_clients[decode.address].generate(start.job, reservation, head,
                                                                           self._remaining(deadline), fork)
@@ -144,6 +157,7 @@ class Dispatcher:
                     start.leave(fork)
                 self.admission.notify()  # its rows are free (or about to be)
             if done.finish_reason != "preempted":
+                self._remember_soon(decode, job.prompt_ids + tuple(outputs[:-1]), job.cache_salt, routed)
                 yield dataclasses.replace(done, cached_tokens=cached) if cached else done
                 return
             logger.info("request %s: fork %d preempted on decode %s after %d tokens; resuming", job.request_id, fork,
@@ -158,25 +172,29 @@ class Dispatcher:
         sampling.CopyFrom(job.sampling)
         sampling.seed = seed
         sampling.ClearField("prompt_logprobs")  # already sent with the first token
-        return Job(f"{job.request_id}-r{len(outputs)}", job.prompt_ids, sampling, output_ids=tuple(outputs))
+        return Job(f"{job.request_id}-r{len(outputs)}", job.prompt_ids, sampling, output_ids=tuple(outputs),
+                   cache_salt=job.cache_salt, affinity=job.affinity)
 
     async def _start(self, job: Job, clock: TtftClock, deadline: float, resumed: bool) -> Started:
         """Reserve and prefill ``job`` on some pair, retrying on other pairs before the first token."""
         tried: set[tuple[str, str]] = set()
         last: BackendError | None = None
+        keys = await self._job_keys(job)
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self.metrics.retries.inc()
             try:
                 try:
-                    pair = await self._reserve(job, tried, deadline, resumed)
+                    pair = await self._reserve(job, keys, tried, deadline, resumed)
                 finally:
                     clock.lap("reserve")
                 if pair is None:
                     break
                 prefill, decode, reservation = pair
+                routed = prefill.index.incarnation
                 with Cluster.busy(decode):
                     first = await self._prefill(prefill, decode, job, reservation, deadline, clock)
+                prefill.index.remember(keys.get(prefill.index.key_seed, ()), routed)  # the prompt's blocks
                 return decode, reservation, first
             except Overloaded:
                 raise
@@ -189,19 +207,28 @@ class Dispatcher:
             raise last
         raise BackendError(grpc.StatusCode.UNAVAILABLE, f"no healthy (prefill, decode) pair: {self.cluster.why_none()}")
 
-    async def _reserve(self, job: Job, tried: set[tuple[str, str]], deadline: float,
+    async def _job_keys(self, job: Job) -> dict[bytes, list[int]]:
+        """The job's block keys under each key seed of the healthy services with an index
+        (cache-aware pairing only), hashed in a worker thread."""
+        seeds = self.cluster.key_seeds() if self.cluster.cache_aware else set()
+        if not seeds:
+            return {}
+        return await asyncio.to_thread(keys_by_seed, job.prompt_ids + job.output_ids, seeds, job.cache_salt)
+
+    async def _reserve(self, job: Job, keys: dict[bytes, list[int]], tried: set[tuple[str, str]], deadline: float,
                        resumed: bool) -> tuple[Endpoint, Endpoint, Reservation] | None:
-        """A pair not in ``tried`` and rows on its decode service, waiting in the admission queue
-        while every decode service answers "no rows now"; None if no pair is left to try. A
-        failed Reserve puts its pair in ``tried`` and raises."""
+        """A pair not in ``tried`` (chosen by the job's block ``keys`` per seed and its affinity)
+        and rows on its decode service, waiting in the admission queue while every decode
+        service answers "no rows now"; None if no pair is left to try. A failed Reserve puts its
+        pair in ``tried`` and raises."""
         async def attempt():
             full: set[str] = set()  # decode services without rows now
             while True:
                 exclude = tried | {(p.address, d) for p in self.cluster.prefills for d in full}
-                pair = self.cluster.pick(exclude)
-                if pair is None:
+                choice = self.cluster.pick(exclude, keys, job.affinity, job.num_tokens)
+                if choice is None:
                     return None if full else ()
-                prefill, decode = pair
+                prefill, decode = choice.prefill, choice.decode
                 try:
                     reservation = await self.decode_clients[decode.address].reserve(job, self._remaining(deadline))
                 except BackendError as e:
@@ -212,6 +239,7 @@ class Dispatcher:
                     self._note_failure(decode, e)
                     raise
                 tried.add((prefill.address, decode.address))
+                self.metrics.pairing_decisions.labels(choice.reason).inc()
                 return prefill, decode, reservation
 
         got = await self.admission.admit(attempt, resumed, deadline)
@@ -239,6 +267,7 @@ class Dispatcher:
         self.metrics.transfer_bytes.inc(first.transfer_bytes)
         self.metrics.transfer_seconds.inc(first.transfer_ms / 1e3)
         self.metrics.prefix_cached_tokens.inc(first.cached_tokens)
+        self.metrics.decode_cached_tokens.inc(first.decode_cached_tokens)
         return first
 
     def _remaining(self, deadline: float) -> float:
@@ -252,7 +281,25 @@ class Dispatcher:
         if e.code == grpc.StatusCode.UNAVAILABLE and decode.healthy:
             logger.warning("decode %s marked unhealthy: %s", decode.address, e.message)
             decode.mark(False, f"UNAVAILABLE: {e.message}")
+            decode.index.clear()  # it may come back empty
             self.metrics.healthy.labels("decode", decode.address).set(0)
+
+    def _remember_soon(self, decode: Endpoint, tokens: tuple[int, ...], salt: str, incarnation: str) -> None:
+        """Record in ``decode``'s index the blocks of ``tokens`` it now caches (hashed in a worker
+        thread), if it is still the ``incarnation`` the request ran on."""
+        seed = decode.index.key_seed
+        if not self.cluster.cache_aware or seed is None or incarnation != decode.index.incarnation:
+            return
+
+        async def remember() -> None:
+            decode.index.remember(await asyncio.to_thread(block_keys, tokens, seed, salt), incarnation)
+
+        self._in_background(remember())
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _abort_soon(self, decode: Endpoint, reservation: Reservation, fork: int | None = None) -> None:
         """Free the rows (``fork``: that fork's share) without waiting (this may run while the
@@ -264,9 +311,7 @@ class Dispatcher:
                 logger.info("abort of reservation %s on %s failed: %s", reservation.id, decode.address, e)
             self.admission.notify()
 
-        task = asyncio.get_running_loop().create_task(abort())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(abort())
 
     async def drain(self) -> None:
         """Wait for pending aborts (at shutdown)."""

@@ -5,6 +5,11 @@ Status also feeds the gauges (queue depth; decode rows used/free per rank; the d
 cache usage) and each decode service's capacity, which bounds the prompts the router admits. An
 unhealthy service is left out of pairing until a later poll finds it healthy again.
 
+A healthy service is then asked for its cache's ``KvEvents`` since the last poll, applied to its
+prefix index (prefix_index.py). Anything else — a failed poll, an unhealthy service, no answer
+to KvEvents, a service without an index (UNIMPLEMENTED) — clears the index: a service that
+restarted must not keep hits it lost. A failed KvEvents never makes a service unhealthy.
+
 The gauges are also refreshed right before every scrape of ``/metrics`` (:meth:`refresh_load`:
 Status of each healthy service, nothing else): a poll every few seconds would otherwise show
 rows of requests that ended since as still in use.
@@ -32,6 +37,7 @@ class HealthMonitor:
         self.clients: dict[str, PrefillClient | DecodeClient] = {**prefill_clients, **decode_clients}
         self.interval_s, self.rpc_timeout_s = interval_s, rpc_timeout_s
         self.on_change: list = []  # callables(cluster) run after every poll (e.g. the router's own health)
+        self._index_failing: set[str] = set()  # addresses whose last KvEvents failed (logged once)
         metrics.before_scrape.append(self.refresh_load)
 
     async def poll_once(self) -> None:
@@ -73,11 +79,32 @@ class HealthMonitor:
             else:
                 healthy, reason = load.serving, "Status: not serving"
                 self._apply(e, load)
+        if healthy and self.cluster.cache_aware:
+            await self._fetch_index(e)
+        else:
+            e.index.clear()
         if healthy != e.healthy:
             logger.info("%s %s is now %s%s", e.kind, e.address, "healthy" if healthy else "unhealthy",
                         "" if healthy else f" ({reason})")
         e.mark(healthy, reason)
         self.metrics.healthy.labels(e.kind, e.address).set(int(healthy))
+
+    async def _fetch_index(self, e: Endpoint) -> None:
+        asked_at = e.index.clock()
+        try:
+            answer = await self.clients[e.address].kv_events(e.index.incarnation, e.index.last, self.rpc_timeout_s)
+            if answer is None:
+                e.index.clear()
+            else:
+                e.index.apply(answer, asked_at)
+        except (BackendError, ValueError) as err:
+            if e.address not in self._index_failing:
+                logger.warning("KvEvents of %s %s failed: %s; no prefix index until it answers", e.kind, e.address,
+                               err)
+            self._index_failing.add(e.address)
+            e.index.clear()
+        else:
+            self._index_failing.discard(e.address)
 
     def _apply(self, e: Endpoint, load: PrefillLoad | DecodeLoad) -> None:
         self.metrics.queue_depth.labels(e.kind, e.address).set(load.queue_depth)

@@ -9,13 +9,15 @@ Two families:
   prompt/generation token counters, finished requests by reason, requests running/waiting, KV
   cache usage of the decode services, prefix-cache queries and hits (tokens), preemptions;
 - ``cpserve_*``: the router's own (outcomes, retries, the TTFT stages, per-service health, queue
-  depth and decode rows per rank, KV transfer). ``cpserve_router_ttft_seconds``,
+  depth and decode rows per rank, KV transfer, pairing decisions by reason, tokens decode
+  already held). ``cpserve_router_ttft_seconds``,
   ``_tpot_seconds`` and ``_e2e_seconds`` stay for bench/serving.py and the tests that read them.
 
 Request metrics are observed by the completion runner (what the client sees, per choice);
 service gauges by the health monitor, from each service's Status, on every poll and again
 before every scrape (``before_scrape``), so rows freed by finished requests show at once;
-transfer counters by the dispatcher (from each PrefillResponse).
+transfer and cache counters and pairing decisions by the dispatcher (from each
+PrefillResponse; a decision once its Reserve succeeded).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.router.pairing import REASONS
 from services.router.stages import TTFT_STAGES
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -43,7 +46,8 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         self.model_name = model_name
         self.before_scrape: list[Callable[[], Awaitable[None]]] = []  # refresh the service gauges
-        # the last RECENT requests' TTFT and stages, {"id", "ttft_ms", "stages_ms"}, oldest first
+        # the last RECENT requests' TTFT, its stages and cache figures, oldest first: {"id", "ttft_ms",
+        # "stages_ms", "cached_tokens", "decode_cached_tokens", "transfer_bytes"} (completion.py)
         self.recent_ttft: collections.deque[dict] = collections.deque(maxlen=self.RECENT)
 
         # ---- vLLM's names, per served model -------------------------------------------------
@@ -112,6 +116,14 @@ class RouterMetrics:
         self.prefix_cached_tokens = Counter("cpserve_prefix_cached_tokens",
                                             "Prompt tokens the prefill services took from their prefix cache",
                                             registry=r)
+        self.decode_cached_tokens = Counter("cpserve_router_decode_cached_tokens",
+                                            "Prompt tokens the decode services already held (prefill did not send "
+                                            "them)", registry=r)
+        self.pairing_decisions = Counter("cpserve_router_pairing_decisions",
+                                         "Pairs chosen, by what decided (services/router/pairing.py): prefix, "
+                                         "affinity, load, balance", ["reason"], registry=r)
+        for reason in REASONS:
+            self.pairing_decisions.labels(reason)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # every outcome is exported from the start, at 0
 

@@ -10,11 +10,13 @@ ranges, shapes; ``null`` counts as absent; an error's ``param`` is the field's p
 name (404), token ids inside the vocabulary, prompt plus ``max_tokens`` within the limit, the
 tokenizer and chat template.
 
-Fields outside the models: :class:`_Ignored`'s never change the output (``user``,
-``metadata``, ``store``, ``service_tier``, …, ``stream_options.include_obfuscation``): checked,
-accepted and logged once per name. :data:`UNSUPPORTED`'s would change it and are not
-implemented: accepted only at their neutral value (``best_of: 1``, ``tool_choice: "none"``, …,
-or null), else a 400 naming them. Any other field (``suffix``, ``guided_json``, a typo such as
+Routing fields change where a request runs, never its output: ``cache_salt`` (vLLM's: requests
+with different salts never share cached KV) and the affinity hint ``prompt_cache_key``, else
+``user`` (:attr:`Job.affinity`; services/router/pairing.py). Fields outside the models:
+:class:`_Ignored`'s never change the output (``metadata``, ``store``, ``service_tier``, …,
+``stream_options.include_obfuscation``): checked, accepted and logged once per name.
+:data:`UNSUPPORTED`'s would change it and are not implemented: accepted only at their neutral
+value (``best_of: 1``, ``tool_choice: "none"``, …, or null), else a 400 naming them. Any other field (``suffix``, ``guided_json``, a typo such as
 ``max_token``) is a 400 naming it, as OpenAI answers: a field we do not know may change the output.
 """
 
@@ -42,6 +44,7 @@ MAX_STOP_STRINGS = 16
 MAX_N = 16  # samples per prompt: forks of one prefill, sharing the prompt's rows on decode
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_CHOICES = MAX_N * 4  # n × prompts
+MAX_CACHE_SALT = 256  # characters of cache_salt (the services' limit: services/common/convert.py)
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -236,12 +239,10 @@ class StreamOptions(_Body):
 class _Ignored(_Body):
     """Fields that never change the output: type-checked, accepted, ignored (logged once)."""
 
-    user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None  # means something only with tools, which are refused
-    prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
 
@@ -304,6 +305,14 @@ class SamplingBody(_Ignored):
     logit_bias: LogitBias = {}
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # routing: where the request runs, never what it outputs
+    cache_salt: str = Field("", max_length=MAX_CACHE_SALT)  # "": no salt
+    prompt_cache_key: str | None = None  # the affinity hint (else user)
+    user: str | None = None
+
+    @property
+    def affinity(self) -> str:
+        return self.prompt_cache_key or self.user or ""
 
 
 class CompletionBody(SamplingBody):
@@ -515,7 +524,8 @@ def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
         if req.seed is not None:
             sampling.seed = req.seed  # sample j of a prompt: seed + j (drawn by the prefill service)
         # the n samples of a prompt are forks of one prefill, sharing its rows on decode
-        jobs.append(Job(request_id if i == 0 else f"{request_id}-{i}", tuple(ids), sampling, req.n))
+        jobs.append(Job(request_id if i == 0 else f"{request_id}-{i}", tuple(ids), sampling, req.n,
+                        cache_salt=req.cache_salt, affinity=req.affinity))
     stop_set = stop_token_set(jobs[0].sampling, ctx.eos_token_ids)
     choices = [CompletionRequest(job, stop_strings, stop_set, i * req.n + j, i, req.include_stop_str_in_output,
                                  req.skip_special_tokens, text, j)

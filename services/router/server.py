@@ -30,7 +30,7 @@ from services.router.dispatch import Dispatcher
 from services.router.grpc_front import GrpcFront, RouterServicer
 from services.router.health import HealthMonitor
 from services.router.metrics import RouterMetrics
-from services.router.pairing import Cluster
+from services.router.pairing import Cluster, PairingPolicy
 from services.router.params import ModelContext
 
 logger = logging.getLogger("cpserve.router")
@@ -144,7 +144,7 @@ async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, de
                  ready: threading.Event, model_files: ModelFiles | None = None) -> None:
     prefills = prefill_clients or [GrpcPrefillClient(a, plane) for a in config.prefill]
     decodes = decode_clients or [GrpcDecodeClient(a, plane) for a in config.decode]
-    cluster = Cluster([c.address for c in prefills], [c.address for c in decodes])
+    cluster = Cluster([c.address for c in prefills], [c.address for c in decodes], PairingPolicy.of(config))
     metrics = RouterMetrics(config.model_name)
     p_clients = {c.address: c for c in prefills}
     d_clients = {c.address: c for c in decodes}
@@ -177,8 +177,8 @@ async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, de
     stop = asyncio.Event()
     box.update(loop=asyncio.get_running_loop(), stop=stop, http_port=sock.getsockname()[1],
                grpc_port=grpc_front.port if grpc_front else None, cluster=cluster, metrics=metrics)
-    logger.info("router: http %s:%d, grpc %s; prefill %s; decode %s", config.host, box["http_port"],
-                box["grpc_port"], ", ".join(config.prefill), ", ".join(config.decode))
+    logger.info("router: http %s:%d, grpc %s; prefill %s; decode %s; pairing %s", config.host, box["http_port"],
+                box["grpc_port"], ", ".join(config.prefill), ", ".join(config.decode), cluster.policy)
     ready.set()
     try:
         await stop.wait()
