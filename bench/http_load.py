@@ -437,3 +437,15 @@ def summarise(results: list[Result], requested: int, start: float, slo_ttft_ms: 
         "error_messages": sorted({r.error for r in results if r.error})[:3],
     })
     return out
+
+
+def base_targets(args) -> list[Target]:
+    """The servers of ``--base-url`` (with ``--api-key``), named by host:port."""
+    targets = []
+    for url in args.base_url:
+        url = url.rstrip("/").removesuffix("/v1")
+        name = url.split("://", 1)[-1]
+        while name in {t.name for t in targets}:  # the same server twice: still two targets
+            name += "'"
+        targets.append(Target(name, url, api_key=args.api_key))
+    return targets

@@ -77,7 +77,8 @@ from dataclasses import dataclass
 
 from common import base_parser, bench_model_dir, emit_json, print_table, save_plot
 from common import parse_args as parse_with_quick
-from http_load import Prompt, RequestOptions, Result, Target, percentile, probe, request_ttft_records, send
+from http_load import (Prompt, RequestOptions, Result, Target, base_targets, percentile, probe, request_ttft_records,
+                       send)
 
 BYTE_VOCAB = 259  # ids 0-258: what every byte-level tokenizer has (cpserve's: 3 + b for byte b)
 KINDS = ("on", "cold", "ideal")
@@ -521,17 +522,6 @@ def vocab_of(args: argparse.Namespace) -> int:
     from engine.model.config import ModelConfig
 
     return ModelConfig.load(args.model).vocab_size
-
-
-def base_targets(args: argparse.Namespace) -> list[Target]:
-    targets = []
-    for url in args.base_url:
-        url = url.rstrip("/").removesuffix("/v1")
-        name = url.split("://", 1)[-1]
-        while name in {t.name for t in targets}:  # the same server twice: still two targets
-            name += "'"
-        targets.append(Target(name, url, api_key=args.api_key))
-    return targets
 
 
 # ---- report --------------------------------------------------------------------------------------

@@ -98,9 +98,9 @@ import sys
 import time
 
 from common import base_parser, bench_model_dir, emit_json, print_table, save_plot
-from http_load import (PERCENTILES, DatasetError, Level, Prompt, RequestOptions, Target, file_prompts, probe,
-                       random_ids, random_text, request_ttft_records, run_level, send, stage_means_ms, summarise,
-                       tokens_per_word, ttft_bound_check, ttft_stage_sums)
+from http_load import (PERCENTILES, DatasetError, Level, Prompt, RequestOptions, Target, base_targets, file_prompts,
+                       probe, random_ids, random_text, request_ttft_records, run_level, send, stage_means_ms,
+                       summarise, tokens_per_word, ttft_bound_check, ttft_stage_sums)
 
 BYTE_VOCAB = 259  # ids 0-258: what every byte-level tokenizer has (cpserve's: 3 + b for byte b)
 
@@ -706,17 +706,6 @@ def plot(args: argparse.Namespace, targets: list[Target], stats: dict) -> None:
 
 def ratio(a: float, b: float) -> float:
     return a / b if b and b == b and a == a else float("nan")
-
-
-def base_targets(args: argparse.Namespace) -> list[Target]:
-    targets = []
-    for url in args.base_url:
-        url = url.rstrip("/").removesuffix("/v1")
-        name = url.split("://", 1)[-1]
-        while name in {t.name for t in targets}:  # the same server twice: still two targets
-            name += "'"
-        targets.append(Target(name, url, api_key=args.api_key))
-    return targets
 
 
 def main() -> None:

@@ -536,13 +536,13 @@ def test_cpserve_up_sends_a_demo_request_then_serves_until_interrupted(tmp_path)
 
 
 def test_prefix_cache_reuses_prompt_pages_and_keeps_outputs_exact():
-    """`--prefix-cache`: a prompt sharing a prefix with an earlier one computes only its new
+    """Reuse is on by default: a prompt sharing a prefix with an earlier one computes only its new
     tokens (usage.prompt_tokens_details.cached_tokens says how many it reused, whole 16-token
     pages), and every output still equals the reference engine's."""
     g = torch.Generator().manual_seed(11)
     a = torch.randint(3, 300, (150,), generator=g).tolist()
     b = a[:130] + torch.randint(3, 300, (40,), generator=g).tolist()
-    children = start_cluster(cluster_args(prefix_cache=True), 0, None, quiet=True)
+    children = start_cluster(cluster_args(), 0, None, quiet=True)
     try:
         client = client_for(children)
         cached = []

@@ -62,9 +62,12 @@ def test_event_log_continues_a_reader_or_resets_it():
     assert not batch.reset and batch.events == (("stored", (1, 2)), ("stored", (2, 3)))
     log.removed([1, 2])
     assert set(log.since("", 0).snapshot) == {2, 3}  # block 2 still held by the other page
+    log.stored([2, 4])
+    assert sorted(log.since("", 0).snapshot) == [2, 2, 3, 4]  # as often as pages hold it
+    log.removed([2, 4])
     log.removed([2, 3])
     log.stored([9])
-    behind = log.since(log.incarnation, batch.last - 1)  # its next event was dropped (3 kept)
+    behind = log.since(log.incarnation, batch.last)  # its next events were dropped (3 kept)
     assert behind.reset and set(behind.snapshot) == {9}
     assert not log.since(log.incarnation, log.since("", 0).last).events
     restarted = KvEventLog(SEED)

@@ -118,6 +118,8 @@ class KvEventLog:
         with self._lock:
             first = self._events[0][0] if self._events else self._last + 1
             if incarnation != self.incarnation or after > self._last or after + 1 < first:
-                return EventBatch(self.incarnation, self._last, True, tuple(self._held), ())
+                # a key held by several pages is listed as often, so that a reader counting
+                # keys, as the log does, stays exact through the removals to come
+                return EventBatch(self.incarnation, self._last, True, tuple(self._held.elements()), ())
             events = tuple((kind, keys) for n, kind, keys in self._events if n > after)
             return EventBatch(self.incarnation, self._last, False, (), events)
