@@ -39,7 +39,10 @@ target, so that the targets share the machine's noise: one request at a time (c=
 them request by request (prompt i on A, then on B, ...; the order rotating with i), and a level
 with more in flight runs target after target, the order rotating per level (c=8 on B, on A; ...).
 Closed loop: ``--concurrency`` workers; open loop: ``--request-rate`` Poisson arrivals, seeded,
-the same arrival times on every target.
+the same arrival times on every target. Random prompts are each level's own (and the warm-up's
+its own), and token-id prompts never share their first 16-token page, so a server that reuses
+KV (cpserve by default, vLLM) never finds a request's prompt cached; a dataset's prompts are
+sent again at every level.
 ``--num-prompts`` per level (default max(8, 2 x concurrency), at least 32 at concurrency 8, or 32
 per rate; --quick max(4, concurrency), or 8 per rate); a level starts no new request after
 ``--level-timeout`` s. Requests stream, ``temperature 0``, ``max_tokens`` = the prompt's output
@@ -254,10 +257,16 @@ def distinct_first_pages(prompts: list[Prompt], vocab: int, seed: int) -> list[P
     return out
 
 
+def fresh_levels(args: argparse.Namespace) -> bool:
+    """Random prompts: each level has its own (servers that reuse KV, cpserve by default and
+    vLLM, would otherwise find a later level's prompts cached: they are the first level's)."""
+    return args.dataset == "random"
+
+
 def level_prompts(args: argparse.Namespace, prompts: list[Prompt], index: int) -> list[Prompt]:
-    """The prompts of level ``index``: the same for every level, or with ``--reuse`` each
-    level's own (``per_level`` of the largest level apart)."""
-    if args.reuse is None:
+    """The prompts of level ``index``: a dataset's for every level, random prompts each level's
+    own (``per_level`` of the largest level apart)."""
+    if not fresh_levels(args):
         return prompts
     n = max(per_level(args, lv) for lv in args.levels)
     return prompts[index * n:(index + 1) * n]
@@ -331,15 +340,14 @@ class OwnServers:
 
 
 def random_prompts(args: argparse.Namespace, first: Target, n: int) -> list[Prompt]:
-    """``n`` prompts; with ``--reuse`` one level's worth per level, no two sharing a first page,
-    and one more (last) for the warm-up."""
+    """``n`` prompts for each level and one more (last) for the warm-up; token ids: no two
+    sharing a first page (so no request finds another's KV cached)."""
+    total = n * len(args.levels) + 1
     if args.random_prompt == "text":
-        return random_text(n, args.lengths, args.output_len, tokens_per_word(first, args.seed), args.seed,
+        return random_text(total, args.lengths, args.output_len, tokens_per_word(first, args.seed), args.seed,
                            chat=args.endpoint == "chat")
-    if args.reuse is not None:
-        prompts = random_ids(n * len(args.levels) + 1, args.lengths, args.output_len, vocab_size(args), args.seed)
-        return distinct_first_pages(prompts, vocab_size(args), args.seed)
-    return random_ids(n, args.lengths, args.output_len, vocab_size(args), args.seed)
+    prompts = random_ids(total, args.lengths, args.output_len, vocab_size(args), args.seed)
+    return distinct_first_pages(prompts, vocab_size(args), args.seed)
 
 
 def vocab_size(args: argparse.Namespace) -> int:
@@ -726,7 +734,7 @@ def main() -> None:
             probe(t, None if own else args.model)
         prompts = prompts or random_prompts(args, targets[0], n)
         for t in targets:
-            warm_up(t, prompts[-1] if args.reuse is not None else prompts[0], opts)
+            warm_up(t, prompts[-1] if fresh_levels(args) else prompts[0], opts)
         engines = offline_engines(args, own, prompts) if own else {}
         stats, ids = measure(args, targets, prompts, opts, engines)
     except RuntimeError as e:

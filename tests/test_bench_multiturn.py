@@ -289,10 +289,10 @@ def test_reuse_option_and_each_levels_own_prompts(monkeypatch):
         with pytest.raises(SystemExit):
             serving.parse_reuse(p, bad)
     args = argparse.Namespace(reuse=None, levels=[Level(concurrency=1), Level(concurrency=4)], num_prompts=None,
-                              quick=True)
+                              quick=True, dataset="data.jsonl")
     prompts = list(range(9))
-    assert serving.level_prompts(args, prompts, 1) is prompts  # unchanged without --reuse
-    args.reuse = [True, False]  # per level max(4, c) with --quick: 4 each
+    assert serving.level_prompts(args, prompts, 1) is prompts  # a dataset's prompts: the same for every level
+    args.dataset = "random"  # random prompts, with or without --reuse: per level max(4, c) with --quick, 4 each
     assert [serving.level_prompts(args, prompts, i) for i in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     monkeypatch.setattr(sys, "argv", ["serving.py", "--base-url", "http://x", "--reuse", "on,off"])
     with pytest.raises(SystemExit):
