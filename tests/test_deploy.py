@@ -912,7 +912,8 @@ def _service_series() -> dict[str, set[str]]:
 
     out: dict[str, set[str]] = {}
     for kind in ("prefill", "decode"):
-        state = {"rows_used": [1, 2], "rows_free": [3, 4], "queue_depth": 0, "serving": 1}
+        state = {"rows_used": [1, 2], "rows_free": [3, 4], "queue_depth": 0, "serving": 1, "rows_cached": [1, 1],
+                 "prefix_cache_queries": 10, "prefix_cache_hits": 5}
         if kind == "decode":
             state["rows_filled"] = [1, 1]
         m = ServiceMetrics(kind, lambda state=state: state)
