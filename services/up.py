@@ -122,6 +122,16 @@ class Child:
                 self.proc.wait(5)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def cluster_args(argv: list[str]) -> argparse.Namespace:
     """`cpserve up`'s cluster options parsed from ``argv``, every other one at its default (for
     code that starts a cluster without the CLI: benchmarks, tests)."""
@@ -145,6 +155,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill pushes each layer's KV to decode while later layers compute (default on; "
                         "--no-overlap: the whole prompt's KV after its forward)")
+    p.add_argument("--prefill-services", type=_positive, default=1,
+                   help="prefill services behind the router (each with --prefill-cp ranks; default 1)")
+    p.add_argument("--decode-services", type=_positive, default=1,
+                   help="decode services behind the router (each with --decode-dcp ranks; default 1)")
     p.add_argument("--pairing", choices=["cache_aware", "load"], default=None,
                    help="router: which pair takes a request: cache_aware (default: where its prefix is cached, "
                         "unless much busier) or load (least outstanding work only)")
@@ -258,12 +272,14 @@ def cluster_threads(args: argparse.Namespace, quiet: bool = False) -> dict[str, 
 
     pre = load_config("prefill", args.config, {"cp": args.prefill_cp})
     dec = load_config("decode", args.config, {"dcp": args.decode_dcp})
-    plan = plan_threads(pre.cp + dec.dcp, args.threads_per_rank)
+    plan = plan_threads(args.prefill_services * pre.cp + args.decode_services * dec.dcp, args.threads_per_rank)
     out = {"prefill": plan.threads, "decode": plan.threads}
     if args.threads_per_rank is None:  # a section's own threads_per_rank stays
         out.update({name: None for name, cfg in (("prefill", pre), ("decode", dec)) if cfg.threads_per_rank})
     if not quiet or plan.oversubscribed:
-        print(f"threads: prefill CP {pre.cp} + decode DCP {dec.dcp}: {plan.describe()}",
+        services = "" if args.prefill_services == args.decode_services == 1 else \
+            f" ({args.prefill_services} prefill and {args.decode_services} decode services)"
+        print(f"threads: prefill CP {pre.cp} + decode DCP {dec.dcp}{services}: {plan.describe()}",
               file=sys.stderr if plan.oversubscribed else sys.stdout, flush=True)
     return out
 
@@ -279,21 +295,21 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
                             ("--moe-parallel", args.moe_parallel), ("--kv-cache-dtype", args.kv_cache_dtype)])
     threads = cluster_threads(args, quiet)
     children = []
+    reuse = ("--prefix-cache" if args.prefix_cache else "--no-prefix-cache", True if args.prefix_cache is not None
+             else None)
     try:
-        prefill = Child("prefill", common + engine_common + ["--port", "0"] + _flags([
-            ("--cp", args.prefill_cp), ("--strategy", args.cp_strategy), ("--layer-split", args.layer_split),
-            ("--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
-             True if args.prefix_cache is not None else None), ("--threads-per-rank", threads["prefill"]),
-            ("--overlap" if args.overlap else "--no-overlap", True if args.overlap is not None else None)]),
-            quiet, env=env)
-        children.append(prefill)
-        decode = Child("decode", common + engine_common + ["--port", "0"] + _flags([
-            ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm),
-            ("--kv-cache-memory", args.kv_cache_memory), ("--threads-per-rank", threads["decode"]),
-            ("--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
-             True if args.prefix_cache is not None else None)]),
-            quiet, env=env)
-        children.append(decode)
+        for _ in range(args.prefill_services):
+            children.append(Child("prefill", common + engine_common + ["--port", "0"] + _flags([
+                ("--cp", args.prefill_cp), ("--strategy", args.cp_strategy), ("--layer-split", args.layer_split),
+                reuse, ("--threads-per-rank", threads["prefill"]),
+                ("--overlap" if args.overlap else "--no-overlap", True if args.overlap is not None else None)]),
+                quiet, env=env))
+        for _ in range(args.decode_services):
+            children.append(Child("decode", common + engine_common + ["--port", "0"] + _flags([
+                ("--dcp", args.decode_dcp), ("--indexer", args.indexer), ("--dcp-comm", args.dcp_comm),
+                ("--kv-cache-memory", args.kv_cache_memory), ("--threads-per-rank", threads["decode"]), reuse]),
+                quiet, env=env))
+        engines = list(children)
         # the router starts with the engines: it imports, checks its flags and loads the tokenizer
         # while they load their models, then gets their addresses on stdin
         router = Child("router", common + _flags([("--port", port), ("--grpc-port", grpc_port),
@@ -309,12 +325,12 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
                        + ["--backends-from-stdin"], quiet, env=env)
         children.append(router)
         deadline = time.monotonic() + args.start_timeout_s
-        addresses = []
-        for engine in (prefill, decode):
+        addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for engine in engines:
             while not engine.settled(0.2) and time.monotonic() < deadline:
                 router.check_starting()  # a bad router flag fails now, not after the models load
-            addresses.append(engine.wait_ready(max(0.0, deadline - time.monotonic())))
-        router.tell(json.dumps({"prefill": [addresses[0]], "decode": [addresses[1]]}))
+            addresses[engine.kind].append(engine.wait_ready(max(0.0, deadline - time.monotonic())))
+        router.tell(json.dumps(addresses))
         router.wait_ready(args.start_timeout_s)
         return children
     except BaseException:
@@ -443,8 +459,8 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
     try:
         http = children[-1].address
         print(f"cluster ready in {time.perf_counter() - t0:.1f} s")
-        print(f"  prefill : {children[0].address} (gRPC)")
-        print(f"  decode  : {children[1].address} (gRPC)")
+        for child in children[:-1]:
+            print(f"  {child.kind:<8}: {child.address} (gRPC)")
         print(f"  router  : http://{http}/v1  (OpenAI API; /health, /metrics)", flush=True)
         from services.cli import tokenizer_from_args
         from engine.model.tokenizer import NoTokenizer

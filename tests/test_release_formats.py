@@ -290,3 +290,42 @@ def test_cpserve_up_passes_the_serving_flags_to_its_services(monkeypatch):
     for kind in ("prefill", "decode"):
         engine = parser.parse_args(["serve", kind, *started[kind]])
         assert (engine.generation_config, engine.dtype) == ("none", "bf16")
+
+
+def test_cpserve_up_starts_several_services_behind_one_router(monkeypatch):
+    """`--prefill-services 2 --decode-services 3`: five engine services, every address on the
+    router's stdin, the router's --pairing flag passed on."""
+    import services.up as up
+
+    started, told, port = [], {}, iter(range(1, 100))
+
+    class Fake:
+        def __init__(self, kind, argv, quiet=False, env=None):
+            started.append((kind, argv))
+            self.kind, self.address = kind, f"127.0.0.1:{next(port)}"
+
+        def wait_ready(self, timeout):
+            return self.address
+
+        def settled(self, timeout):
+            return True
+
+        def check_starting(self):
+            pass
+
+        def tell(self, line):
+            told[self.kind] = line
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(up, "Child", Fake)
+    args = up.cluster_args(["--prefill-services", "2", "--decode-services", "3", "--pairing", "load",
+                            "--no-prefix-cache"])
+    children = up.start_cluster(args, 0)
+    assert [c.kind for c in children] == ["prefill"] * 2 + ["decode"] * 3 + ["router"]
+    assert json.loads(told["router"]) == {"prefill": ["127.0.0.1:1", "127.0.0.1:2"],
+                                          "decode": ["127.0.0.1:3", "127.0.0.1:4", "127.0.0.1:5"]}
+    router_argv = dict(started)["router"]
+    assert router_argv[router_argv.index("--pairing") + 1] == "load"
+    assert all("--no-prefix-cache" in argv for kind, argv in started if kind != "router")

@@ -56,6 +56,12 @@ def test_services_and_up_pick_cores_over_all_their_ranks(monkeypatch, tmp_path, 
     assert cluster_threads(cluster_args([])) == {"prefill": 2, "decode": 2}
     assert "prefill CP 2 + decode DCP 2: 4 rank(s) × 2 thread(s) per rank on 8 usable core(s)" in capsys.readouterr().out
     assert cluster_threads(cluster_args(["--prefill-cp", "4", "--decode-dcp", "4"])) == {"prefill": 1, "decode": 1}
+    # several services: cores over every service's ranks (8 ÷ (2 × 1 + 2 × 1))
+    args = cluster_args(["--prefill-cp", "1", "--decode-dcp", "1", "--prefill-services", "2", "--decode-services", "2"])
+    assert cluster_threads(args) == {"prefill": 2, "decode": 2}
+    assert "(2 prefill and 2 decode services)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cluster_args(["--prefill-services", "0"])
     assert cluster_threads(cluster_args(["--threads-per-rank", "3"])) == {"prefill": 3, "decode": 3}
     assert "oversubscribed" in capsys.readouterr().err  # 12 threads on 8 cores
     config = tmp_path / "c.yaml"

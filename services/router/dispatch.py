@@ -240,6 +240,8 @@ class Dispatcher:
                     raise
                 tried.add((prefill.address, decode.address))
                 self.metrics.pairing_decisions.labels(choice.reason).inc()
+                self.metrics.paired.labels("prefill", prefill.address).inc()
+                self.metrics.paired.labels("decode", decode.address).inc()
                 return prefill, decode, reservation
 
         got = await self.admission.admit(attempt, resumed, deadline)

@@ -124,6 +124,9 @@ class RouterMetrics:
                                          "affinity, load, balance", ["reason"], registry=r)
         for reason in REASONS:
             self.pairing_decisions.labels(reason)
+        self.paired = Counter("cpserve_service_paired_requests",
+                              "Requests paired with the service (a successful Reserve; retries count again)",
+                              ["kind", "service"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # every outcome is exported from the start, at 0
 

@@ -146,6 +146,8 @@ async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, de
     decodes = decode_clients or [GrpcDecodeClient(a, plane) for a in config.decode]
     cluster = Cluster([c.address for c in prefills], [c.address for c in decodes], PairingPolicy.of(config))
     metrics = RouterMetrics(config.model_name)
+    for e in cluster.endpoints:
+        metrics.paired.labels(e.kind, e.address)  # exported from the start, at 0
     p_clients = {c.address: c for c in prefills}
     d_clients = {c.address: c for c in decodes}
     ctx = model_context(config, cluster, model_files)
