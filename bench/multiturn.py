@@ -3,8 +3,9 @@ reuse on, side by side with the same prompt cold and with a prompt of only the t
 (issue 40: long conversations pay only for their new tokens).
 
     python bench/multiturn.py [--quick] [--json] [--model demo|tiny|bench|DIR] [--clusters P+D[,P+D...]]
-        [--compare-off] [--up-args="FLAGS"] [--system-len 512] [--first-len 8192] [--growth 600]
-        [--output-len 32] [--turns 6] [--conversations 1] [--concurrency 1] [--seed 0] [--timeout 600]
+        [--compare-off] [--pairings cache_aware,load] [--up-args="FLAGS"] [--system-len 512] [--first-len 8192]
+        [--growth 600] [--output-len 32] [--turns 6] [--conversations 1] [--concurrency 1] [--seed 0]
+        [--timeout 600]
     python bench/multiturn.py --base-url URL [--base-url URL2 ...] [--model NAME] [--api-key KEY]
         [--vocab-size V] ...
 
@@ -26,9 +27,10 @@ conversation (so none is always first after the previous turn):
 - ideal: a cold prompt (fresh salt) of only the turn's new tokens (the answer and the tool
   output; turn 0: the first context): the turn's price if the context it extends were free.
 
-The "on" requests carry one salt for the whole run (the conversations of a run share the system
-prompt, which the warm-up request caches; nothing an earlier run left counts). The cold and
-ideal requests' KV takes cache space on the server like any other request's.
+The "on" requests carry one salt per target for the whole run (the conversations on a target
+share the system prompt, which the warm-up request caches with that salt; nothing an earlier run
+or another target left counts, even where targets share services). The cold and ideal requests'
+KV takes cache space on the server like any other request's.
 
 Targets. ``--base-url`` (repeatable) names running servers; ``--model`` is then the name sent
 (default: the first id of GET /v1/models). Without it the script starts clusters with
@@ -38,7 +40,12 @@ decode DCP 2, KV reuse on), ``--model`` (default demo, the trained embedded mode
 shape (named ``cluster P+D``; without the option one ``cluster``); ``--compare-off`` starts a
 twin of each with ``--no-prefix-cache`` (``... no-reuse``: reuse really off on prefill and
 decode), which gets the same conversations (its own answers) but only the "on" request per turn.
-Targets take turns per conversation turn, the order rotating, so they share the machine's noise.
+``--pairings cache_aware,load`` starts each shape once per listed router pairing policy, with
+``--pairing X`` added to its ``cpserve up`` flags (named ``cluster pairing=X``, ``cluster 1+1
+pairing=X``; ``--pairing`` then may not be in ``--up-args``); with two or more, every cluster
+gets the "on" requests only (so each router's requests per service are the conversations'), and
+``--compare-off`` twins only the first. Targets
+take turns per conversation turn, the order rotating, so they share the machine's noise.
 
 Figures, per target and turn (over the conversations):
 
@@ -53,6 +60,31 @@ Figures, per target and turn (over the conversations):
   ``transfer_bytes`` prefill wrote to decode for the on (and the cold) request. None: the server
   does not say.
 - errors: failed requests (a failed "on" request ends that conversation on that target).
+
+Per target, ``pairing`` (what several services behind one router do with a conversation), over
+the "on" requests of turns t >= 1 (every conversation):
+
+- reusable: what the services could hold of turn t's prompt from turn t - 1 ("on"), in 16-token
+  pages, never the prompt's last token: prefill ``min(P // 16, (L - 1) // 16) * 16`` and decode
+  ``min((P + O - 1) // 16, (L - 1) // 16) * 16`` (P, O: turn t - 1's prompt and answer tokens, L:
+  turn t's prompt; decode holds the answer's KV but the last token's). Decode's is an upper bound
+  at DCP 1: with DCP > 1 decode pages are 16 * DCP tokens and reuse is aligned to those.
+- reused: the requests' ``cached_tokens`` (prefill) and ``decode_cached_tokens`` (decode) as above,
+  summed, and reused / reusable; over the requests that report them (None: none does). A
+  conversation that meets other services than its last turn's reuses less.
+- paired requests per service (``cpserve_service_paired_requests_total`` of the router's /metrics,
+  kind prefill and decode: read after the warm-up and after the run, the difference; every kind
+  of request counts, and a retried one twice), each service's share and the least and greatest
+  prefill and decode share, and the pairing decisions by reason
+  (``cpserve_router_pairing_decisions_total``, the same difference). None: no such metrics.
+
+Two prefill and two decode services behind one router, 8 interleaved conversations of 5 turns,
+cache-aware pairing beside load-only (the acceptance: cache_aware reuses >= 90 % of the reusable
+tokens, and each prefill service takes between 30 % and 70 % of the requests)::
+
+    .venv/bin/python bench/multiturn.py --model tiny --pairings cache_aware,load \\
+        --up-args="--prefill-services 2 --decode-services 2 --prefill-cp 1 --decode-dcp 1" \\
+        --conversations 8 --concurrency 8 --turns 5 --first-len 2048 --growth 256 --json
 
 Per target and kind: requests, prompt and output tokens, the requests' summed durations
 (busy s) and tokens per busy second (at concurrency 1: the rate of a conversation run alone);
@@ -147,10 +179,10 @@ class Sent:
 
 
 async def run_conversations(targets: list[Target], kinds: dict[str, tuple[str, ...]], convs: list[Conversation],
-                            args: argparse.Namespace, opts: RequestOptions, run_salt: str,
+                            args: argparse.Namespace, opts: RequestOptions, salts: dict[str, str],
                             on_done=lambda: None) -> tuple[list[Sent], dict[str, dict], float]:
-    """Every conversation on every target; returns the requests, the router records per target
-    (by response id) and the run's wall time."""
+    """Every conversation on every target, the "on" requests with the target's salt (``salts``);
+    returns the requests, the router records per target (by response id) and the run's wall time."""
     import httpx
 
     sent: list[Sent] = []
@@ -166,7 +198,7 @@ async def run_conversations(targets: list[Target], kinds: dict[str, tuple[str, .
                 records[t.name].update(await asyncio.to_thread(request_ttft_records, t))
 
         async def one(t: Target, conv: Conversation, turn: int, kind: str, ids: list[int], new: int) -> Sent:
-            salt = run_salt if kind == "on" else uuid.uuid4().hex
+            salt = salts[t.name] if kind == "on" else uuid.uuid4().hex
             prompt = Prompt({"prompt": ids, "cache_salt": salt, "return_token_ids": True}, args.output_len)
             res = await send(client, t, len(sent), prompt, opts)
             if res.error is None and len(res.ids) != res.output_tokens:
@@ -212,14 +244,14 @@ async def run_conversations(targets: list[Target], kinds: dict[str, tuple[str, .
     return sent, records, wall
 
 
-def warm_up(target: Target, system: list[int], opts: RequestOptions, run_salt: str) -> None:
-    """The system prompt alone, with the run's salt: the first requests' start-up costs go here,
-    and the system prompt is in the cache when the first conversation starts."""
+def warm_up(target: Target, system: list[int], opts: RequestOptions, salt: str) -> None:
+    """The system prompt alone, with the target's "on" salt: the first requests' start-up costs
+    go here, and the system prompt is in the cache when the first conversation starts."""
     import httpx
 
     async def go():
         async with httpx.AsyncClient(trust_env=False, timeout=600) as client:
-            prompt = Prompt({"prompt": list(system), "cache_salt": run_salt, "return_token_ids": True}, 2)
+            prompt = Prompt({"prompt": list(system), "cache_salt": salt, "return_token_ids": True}, 2)
             return await send(client, target, -1, prompt, RequestOptions(ignore_eos=opts.ignore_eos))
 
     r = asyncio.run(go())
@@ -363,11 +395,118 @@ def salted_cached_nonzero(sent: list[Sent], records: dict[str, dict]) -> int:
     return sum(1 for s in sent if s.kind != "on" and s.result.error is None and (_cached(records, s) or 0) > 0)
 
 
+# ---- reuse across turns and pairing over services -----------------------------------------------
+PAGE_TOKENS = 16  # a cache page (prefill's, and decode's at DCP 1)
+PAIRED = "cpserve_service_paired_requests_total"
+DECISIONS = "cpserve_router_pairing_decisions_total"
+
+
+def reusable_tokens(prev_prompt: int, prev_output: int, prompt: int) -> tuple[int, int]:
+    """(prefill, decode): tokens of a ``prompt``-token turn that the previous turn (its prompt and
+    its answer) left in whole pages, never the prompt's last token (it is always computed).
+    Prefill held the previous prompt; decode also the answer's KV, but its last token's."""
+    cap = (prompt - 1) // PAGE_TOKENS * PAGE_TOKENS
+    return (min(prev_prompt // PAGE_TOKENS * PAGE_TOKENS, cap),
+            min(max(prev_prompt + prev_output - 1, 0) // PAGE_TOKENS * PAGE_TOKENS, cap))
+
+
+def reuse_figures(sent: list[Sent], records: dict[str, dict], name: str) -> dict:
+    """Reusable vs reused tokens, prefill and decode, of target ``name``'s "on" requests of turns
+    >= 1 (each against its conversation's previous turn), over the requests that report reuse."""
+    on = {(s.conversation, s.turn): s for s in sent
+          if s.target == name and s.kind == "on" and s.result.error is None}
+    pairs: dict[str, list[tuple[int, int | None]]] = {"prefill": [], "decode": []}
+    for (conv, turn), s in sorted(on.items()):
+        prev = on.get((conv, turn - 1))
+        if prev is None:
+            continue
+        prefill, decode = reusable_tokens(prev.prompt_tokens, len(prev.result.ids), s.prompt_tokens)
+        pairs["prefill"].append((prefill, _cached(records, s)))
+        pairs["decode"].append((decode, _record(records, s).get("decode_cached_tokens")))
+    out: dict = {"requests": len(pairs["prefill"])}
+    for side, got in pairs.items():
+        known = [(a, b) for a, b in got if b is not None]
+        reusable = sum(a for a, _ in (known or got))
+        reused = sum(b for _, b in known) if known else None
+        out[side] = {"reusable_tokens": reusable, "reused_tokens": reused, "requests_reporting": len(known),
+                     "reused_over_reusable": reused / reusable if reused is not None and reusable else None}
+    return out
+
+
+def parse_pairing_counters(text: str) -> dict | None:
+    """From a router's /metrics text: requests paired per service (``{"prefill": {service: n},
+    "decode": {...}}``) and pairing decisions by reason; None where the text has no paired-requests
+    counter (not a cpserve router, or an older one)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    paired: dict[str, dict[str, float]] = {}
+    decisions: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == PAIRED:
+                    paired.setdefault(sample.labels.get("kind", "?"), {})[sample.labels.get("service", "?")] = \
+                        sample.value
+                elif sample.name == DECISIONS:
+                    decisions[sample.labels.get("reason", "?")] = sample.value
+    except ValueError:  # not Prometheus text
+        return None
+    return {"paired": paired, "decisions": decisions} if paired else None
+
+
+def read_pairing_counters(target: Target) -> dict | None:
+    import httpx
+
+    try:
+        r = httpx.get(f"{target.url}/metrics", headers=target.headers, trust_env=False, timeout=30)
+    except httpx.HTTPError:
+        return None
+    return parse_pairing_counters(r.text) if r.status_code == 200 else None
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    return {k: int(round(v - before.get(k, 0.0))) for k, v in sorted(after.items())}
+
+
+def shares(counts: dict[str, int]) -> dict[str, float]:
+    """Each service's fraction of the requests ({} when there were none)."""
+    total = sum(counts.values())
+    return {k: v / total for k, v in counts.items()} if total else {}
+
+
+def pairing_counter_figures(before: dict | None, after: dict | None) -> dict:
+    """The run's paired requests per service (``after`` - ``before``), each service's share, the
+    least and greatest share per kind, and the decisions by reason; None each where unknown."""
+    if before is None or after is None:
+        return {"paired_requests": None, "shares": None, "prefill_share_min": None, "prefill_share_max": None,
+                "decode_share_min": None, "decode_share_max": None, "decisions": None}
+    paired = {kind: _delta(before["paired"].get(kind, {}), after["paired"].get(kind, {}))
+              for kind in ("prefill", "decode")}
+    share = {kind: shares(counts) for kind, counts in paired.items()}
+    out = {"paired_requests": paired, "shares": share}
+    for kind in ("prefill", "decode"):
+        out[f"{kind}_share_min"] = min(share[kind].values(), default=None)
+        out[f"{kind}_share_max"] = max(share[kind].values(), default=None)
+    out["decisions"] = _delta(before["decisions"], after["decisions"]) if after["decisions"] else None
+    return out
+
+
+def pairing_figures(sent: list[Sent], records: dict[str, dict], targets: list[str],
+                    pairings: dict[str, str | None] | None = None,
+                    counters: dict[str, tuple[dict | None, dict | None]] | None = None) -> dict[str, dict]:
+    """Per target: its pairing policy (None: the server's default), the reuse figures over turns
+    >= 1 and the router's pairing counters over the run (``counters``: before, after)."""
+    return {name: {"pairing": (pairings or {}).get(name), **reuse_figures(sent, records, name),
+                   **pairing_counter_figures(*(counters or {}).get(name, (None, None)))} for name in targets}
+
+
 def figures(sent: list[Sent], records: dict[str, dict], targets: list[str], twins: dict[str, str], turns: int,
-            wall_s: float) -> dict:
+            wall_s: float, pairings: dict[str, str | None] | None = None,
+            counters: dict[str, tuple[dict | None, dict | None]] | None = None) -> dict:
     """Every figure of a run (the JSON's body, less the run's settings)."""
     ok = [s for s in sent if s.result.error is None]
     return {"turns": turn_rows(sent, records, targets, turns), "summary": summary(sent, records, targets),
+            "pairing": pairing_figures(sent, records, targets, pairings, counters),
             "throughput": throughput(sent, targets), **mismatches(sent, twins),
             "salted_cached_nonzero": salted_cached_nonzero(sent, records),
             "requests": len(sent), "errors": len(sent) - len(ok),
@@ -379,8 +518,10 @@ def figures(sent: list[Sent], records: dict[str, dict], targets: list[str], twin
 # ---- the clusters this script starts (without --base-url) ----------------------------------------
 class OwnClusters:
     """Each ``--clusters`` shape (or ``cpserve up``'s default one) started as ``cpserve up``
-    starts it, and with ``--compare-off`` its ``--no-prefix-cache`` twin; all started at once,
-    stopped at once."""
+    starts it, once per ``--pairings`` policy, and with ``--compare-off`` the first policy's
+    ``--no-prefix-cache`` twin; all started at once, stopped at once. When policies are compared,
+    every cluster gets "on" requests only (``kinds``), so that its router's counts of requests
+    per service are the conversations' alone."""
 
     def __init__(self, args: argparse.Namespace):
         from services.up import cluster_args
@@ -388,12 +529,21 @@ class OwnClusters:
         shapes = args.shapes or [None]
         base = ["--model", args.model, *shlex.split(args.up_args or "")]
         self.argv: dict[str, list[str]] = {}
+        self.pairing: dict[str, str | None] = {}  # None: cpserve up's default
+        on_only: set[str] = set()
         for shape in shapes:
-            name = f"cluster {shape[0]}+{shape[1]}" if shape else "cluster"
-            argv = base + (["--prefill-cp", str(shape[0]), "--decode-dcp", str(shape[1])] if shape else [])
-            self.argv[name] = argv
-            if args.compare_off:
-                self.argv[name + NO_REUSE] = argv + ["--no-prefix-cache"]
+            for i, pairing in enumerate(args.pairings or [None]):
+                name = (f"cluster {shape[0]}+{shape[1]}" if shape else "cluster") + \
+                    (f" pairing={pairing}" if pairing else "")
+                argv = base + (["--prefill-cp", str(shape[0]), "--decode-dcp", str(shape[1])] if shape else []) + \
+                    (["--pairing", pairing] if pairing else [])
+                self.argv[name], self.pairing[name] = argv, pairing
+                if len(args.pairings or []) > 1:  # a comparison of policies: where "on" requests go
+                    on_only.add(name)
+                if not i and args.compare_off:
+                    self.argv[name + NO_REUSE], self.pairing[name + NO_REUSE] = argv + ["--no-prefix-cache"], pairing
+                    on_only.add(name + NO_REUSE)
+        self.kinds = {name: ("on",) if name in on_only else KINDS for name in self.argv}
         self.spaces = {}
         for name, argv in self.argv.items():
             try:
@@ -463,6 +613,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--quick 1+1)")
     p.add_argument("--compare-off", action="store_true",
                    help="without --base-url: also a --no-prefix-cache twin of each cluster (reuse really off)")
+    p.add_argument("--pairings", default=None, metavar="P[,P...]",
+                   help="without --base-url: start each cluster once per router pairing policy (cache_aware, "
+                        "load), --pairing P added to its flags; with two or more, 'on' requests only")
     p.add_argument("--up-args", default="", metavar="FLAGS",
                    help="without --base-url: more `cpserve up` flags for every cluster "
                         "(e.g. --up-args=\"--pairing load\")")
@@ -492,16 +645,32 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--vocab-size must be > 3 (ids 0-2 are special), got {args.vocab_size}")
     if args.base_url:
         for flag, given in (("--clusters", args.clusters), ("--compare-off", args.compare_off),
-                            ("--up-args", args.up_args)):
+                            ("--up-args", args.up_args), ("--pairings", args.pairings)):
             if given:
                 p.error(f"{flag} applies only without --base-url (to the clusters this script starts)")
-        args.shapes = []
+        args.shapes, args.pairings = [], []
     else:
         if args.api_key:
             p.error("--api-key applies only with --base-url (the clusters started here take none)")
         args.model = bench_model_dir() if args.model == "bench" else (args.model or ("tiny" if args.quick else "demo"))
         clusters = args.clusters or ("1+1" if args.quick else None)
         args.shapes = parse_shapes(p, clusters) if clusters else []
+        args.pairings = parse_pairings(p, args.pairings, args.up_args)
+
+
+PAIRINGS = ("cache_aware", "load")  # cpserve up --pairing
+
+
+def parse_pairings(p: argparse.ArgumentParser, text: str | None, up_args: str) -> list[str]:
+    if text is None:
+        return []
+    pairings = [x.strip() for x in text.split(",")]
+    if not all(x in PAIRINGS for x in pairings) or len(set(pairings)) != len(pairings):
+        p.error(f"--pairings: expected distinct policies of {', '.join(PAIRINGS)} (e.g. cache_aware,load), "
+                f"got {text!r}")
+    if any(a == "--pairing" or a.startswith("--pairing=") for a in shlex.split(up_args or "")):
+        p.error("--pairings sets each cluster's --pairing: leave --pairing out of --up-args")
+    return pairings
 
 
 def parse_shapes(p: argparse.ArgumentParser, text: str) -> list[tuple[int, int]]:
@@ -560,6 +729,22 @@ def report(args: argparse.Namespace, out: dict, twins: dict[str, str]) -> None:
                  "output tok/s"],
                 [[r["target"], r["kind"], r["requests"], r["errors"], r["prompt_tokens"], r["output_tokens"],
                   r["busy_s"], r["prompt_tok_s"], r["output_tok_s"]] for r in out["throughput"]])
+    pairing = out["pairing"]
+
+    def spread(f: dict, kind: str) -> str:
+        return "-" if f[f"{kind}_share_min"] is None else \
+            f"{f[f'{kind}_share_min']:.0%}-{f[f'{kind}_share_max']:.0%} of {len(f['shares'][kind])}"
+
+    print_table("reuse over turns >= 1 ('on': reusable = what the previous turn left, in 16-token pages; decode's an "
+                "upper bound at DCP 1) and the router's pairing over the run (shares: least-greatest of N services)",
+                ["target", "requests", "prefill reusable", "reused", "ratio", "decode reusable", "reused", "ratio",
+                 "prefill shares", "decode shares", "decisions"],
+                [[name, f["requests"], *(v for side in ("prefill", "decode") for v in (
+                    _cell(f[side]["reusable_tokens"], 0), _cell(f[side]["reused_tokens"], 0),
+                    _cell(f[side]["reused_over_reusable"], 3))),
+                  spread(f, "prefill"), spread(f, "decode"),
+                  "-" if f["decisions"] is None else " ".join(f"{k} {v}" for k, v in f["decisions"].items() if v)]
+                 for name, f in pairing.items()])
     for name, twin in twins.items():
         mine = {r["turn"]: r for r in rows if r["target"] == name}
         other = {r["turn"]: r for r in rows if r["target"] == twin}
@@ -619,7 +804,6 @@ def main() -> None:
     t_all = time.perf_counter()
     args = parse_args()
     opts = RequestOptions(exact_length=not args.base_url)
-    run_salt = uuid.uuid4().hex
     own = None
     try:
         own = None if args.base_url else OwnClusters(args)
@@ -629,15 +813,18 @@ def main() -> None:
         convs = build_conversations(args.conversations, args.system_len, args.first_len, args.growth, args.turns,
                                     vocab_of(args), args.seed)
         twins = own.twins if own else {}
-        kinds = {t.name: ("on",) if t.name in twins.values() else KINDS for t in targets}
+        kinds = own.kinds if own else {t.name: KINDS for t in targets}
+        salts = {t.name: uuid.uuid4().hex for t in targets}  # targets sharing services share no cache entry
         for t in targets:
-            warm_up(t, list(convs[0].system) or [3] * 16, opts, run_salt)
+            warm_up(t, list(convs[0].system) or [3] * 16, opts, salts[t.name])
+        before = {t.name: read_pairing_counters(t) for t in targets}
         from tqdm import tqdm
 
         total = args.conversations * args.turns * sum(len(k) for k in kinds.values())
         with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
-            sent, records, wall = asyncio.run(run_conversations(targets, kinds, convs, args, opts, run_salt,
+            sent, records, wall = asyncio.run(run_conversations(targets, kinds, convs, args, opts, salts,
                                                                 lambda: bar.update(1)))
+        counters = {t.name: (before[t.name], read_pairing_counters(t)) for t in targets}
     except RuntimeError as e:
         sys.exit(f"bench/multiturn.py: {e}")
     finally:
@@ -645,7 +832,8 @@ def main() -> None:
             own.stop()
 
     names = [t.name for t in targets]
-    out = figures(sent, records, names, twins, args.turns, wall)
+    pairings = own.pairing if own else {}
+    out = figures(sent, records, names, twins, args.turns, wall, pairings, counters)
     report(args, out, twins)
     plot(args, out, names, kinds)
     total_wall = time.perf_counter() - t_all
@@ -657,8 +845,8 @@ def main() -> None:
         "output_len": args.output_len, "turns_per_conversation": args.turns, "conversations": args.conversations,
         "concurrency": args.concurrency, "seed": args.seed,
         "targets": [{"name": t.name, "url": t.url, "model": t.model, "is_cpserve": t.is_cpserve,
-                     "kinds": list(kinds[t.name]), **({"up_argv": own.argv[t.name],
-                                                       "startup_s": own.startup_s.get(t.name)} if own else {})}
+                     "kinds": list(kinds[t.name]), "pairing": pairings.get(t.name),
+                     **({"up_argv": own.argv[t.name], "startup_s": own.startup_s.get(t.name)} if own else {})}
                     for t in targets],
         **out, "total_wall_s": total_wall,
     })

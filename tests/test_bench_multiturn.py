@@ -1,8 +1,9 @@
 """bench/multiturn.py: conversations grow by exactly the answer and the tool output; the figures
 from per-request records (TTFT percentiles and ratios, cache and KV figures, unknowns as None,
-mismatches); a whole run against a fake OpenAI server with a page-granular prefix cache that
-honours cache_salt (the JSON last line); and one `--quick --json` run against a started tiny
-cluster. Also bench/serving.py's `--reuse on,off` (issue 40 too): prompts with no shared
+mismatches); reusable vs reused tokens per turn and each service's share of the paired requests
+from a router's /metrics (`--pairings`); a whole run against a fake OpenAI server with a
+page-granular prefix cache that honours cache_salt (the JSON last line); and one `--quick --json`
+run against a started tiny cluster. Also bench/serving.py's `--reuse on,off` (issue 40 too): prompts with no shared
 page-aligned prefix, a level's own prompts, and a quick run whose requests find nothing cached."""
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from http_load import Prompt, Result  # noqa: E402
-from multiturn import (KINDS, Sent, build_conversations, figures, mismatches, parse_args,  # noqa: E402
+from multiturn import (KINDS, NO_REUSE, OwnClusters, Sent, build_conversations, figures, mismatches,  # noqa: E402
+                       pairing_counter_figures, parse_args, parse_pairing_counters, reusable_tokens, reuse_figures,
                        throughput, turn_rows)
 
 
@@ -138,6 +140,139 @@ def test_usage_errors():
             parse_args(argv)
 
 
+# ---- reuse across turns and pairing over services (--pairings) ---------------------------------------------
+def test_reusable_tokens_examples():
+    # prefill: the previous prompt's whole pages; decode: also the answer's KV but its last token's
+    assert reusable_tokens(100, 8, 150) == (96, 96)  # 100 // 16 * 16; 107 // 16 * 16
+    assert reusable_tokens(96, 8, 150) == (96, 96)  # decode: 103 -> 96
+    assert reusable_tokens(96, 17, 150) == (96, 112)  # decode: 112 tokens held, two pages past prefill's
+    assert reusable_tokens(32, 1, 33) == (32, 32)  # decode holds the prompt alone (the answer's one token unfed)
+    assert reusable_tokens(32, 8, 32) == (16, 16)  # never the prompt's last token: capped at (32 - 1) // 16 pages
+    assert reusable_tokens(10, 3, 20) == (0, 0)  # less than a page
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 300), st.integers(0, 3000))
+def test_reusable_tokens_properties(prev_prompt, prev_output, growth):
+    prompt = prev_prompt + prev_output + growth  # the next turn extends the previous prompt and its answer
+    prefill, decode = reusable_tokens(prev_prompt, prev_output, prompt)
+    for v in (prefill, decode):
+        assert v % 16 == 0 and 0 <= v <= prompt - 1  # whole pages, never the last token
+    assert prefill <= prev_prompt and decode <= prev_prompt + prev_output - 1  # only what the last turn left
+    assert prefill <= decode  # decode held everything prefill did, and the answer
+    assert prev_prompt - prefill < 16  # and lost less than a page of the previous prompt
+    assert min(prev_prompt + prev_output - 1, prompt - 1) - decode < 16
+
+
+def test_reuse_figures_over_later_turns():
+    ids = tuple(range(8))  # 8-token answers
+    runs = [sent("a", 0, 0, "on", 1, ids=ids, prompt=100, rid="a00"),
+            sent("a", 0, 1, "on", 1, ids=ids, prompt=140, cached=96, rid="a01"),  # reusable 96 / 96
+            sent("a", 0, 2, "on", 1, ids=ids, prompt=180, cached=64, rid="a02"),  # 128 / 144 (147 -> 144)
+            sent("a", 0, 1, "cold", 1, prompt=140, cached=0),  # not an "on" request: not counted
+            sent("a", 1, 0, "on", 1, ids=ids, prompt=100),
+            sent("a", 1, 1, "on", 1, ids=ids, prompt=140, error="HTTP 500"),  # failed: neither it nor turn 2
+            sent("a", 1, 2, "on", 1, ids=ids, prompt=180, cached=128),
+            sent("b", 0, 1, "on", 1, ids=ids, prompt=140, cached=96)]  # another target (and no turn 0)
+    records = {"a": {"a01": {"decode_cached_tokens": 96}, "a02": {"decode_cached_tokens": 144}}}
+    f = reuse_figures(runs, records, "a")
+    assert f["requests"] == 2
+    assert f["prefill"] == {"reusable_tokens": 96 + 128, "reused_tokens": 96 + 64, "requests_reporting": 2,
+                            "reused_over_reusable": pytest.approx(160 / 224)}
+    assert f["decode"] == {"reusable_tokens": 96 + 144, "reused_tokens": 240, "requests_reporting": 2,
+                           "reused_over_reusable": 1.0}
+    # decode reuse known for one request only: reusable over that one; none known: None
+    f = reuse_figures(runs, {"a": {"a02": {"decode_cached_tokens": 100}}}, "a")
+    assert (f["decode"]["reusable_tokens"], f["decode"]["reused_tokens"], f["decode"]["requests_reporting"]) == \
+        (144, 100, 1)
+    f = reuse_figures(runs, {}, "a")
+    assert f["decode"] == {"reusable_tokens": 240, "reused_tokens": None, "requests_reporting": 0,
+                           "reused_over_reusable": None}
+    assert reuse_figures(runs, {}, "b")["requests"] == 0 and reuse_figures(runs, {}, "b")["prefill"][
+        "reused_over_reusable"] is None
+
+
+def router_metrics_text(paired: dict[tuple[str, str], int], decisions: dict[str, int]) -> str:
+    """The /metrics text of a real router's metrics object after these pairings."""
+    from services.router.metrics import RouterMetrics
+
+    m = RouterMetrics("m")
+    for (kind, service), n in paired.items():
+        m.paired.labels(kind, service).inc(n)
+    for reason, n in decisions.items():
+        m.pairing_decisions.labels(reason).inc(n)
+    return m.render().decode()
+
+
+def test_pairing_counters_from_a_routers_metrics():
+    text = router_metrics_text({("prefill", "h:1"): 3, ("prefill", "h:2"): 0, ("decode", "h:3"): 3},
+                               {"prefix": 2, "load": 1})
+    got = parse_pairing_counters(text)
+    assert got == {"paired": {"prefill": {"h:1": 3.0, "h:2": 0.0}, "decode": {"h:3": 3.0}},
+                   "decisions": {"prefix": 2.0, "affinity": 0.0, "load": 1.0, "balance": 0.0}}
+    hand = """# HELP cpserve_service_paired_requests_total x
+# TYPE cpserve_service_paired_requests_total counter
+cpserve_service_paired_requests_total{kind="prefill",service="a:1"} 5.0
+cpserve_service_paired_requests_created{kind="prefill",service="a:1"} 1.7e+09
+"""
+    assert parse_pairing_counters(hand) == {"paired": {"prefill": {"a:1": 5.0}}, "decisions": {}}
+    assert parse_pairing_counters("vllm:num_requests_running 0.0\n") is None  # not cpserve: no figures
+    assert parse_pairing_counters("<html>not found</html>") is None
+
+
+def test_shares_and_decisions_are_the_runs_differences():
+    before = parse_pairing_counters(router_metrics_text({("prefill", "p:1"): 1, ("decode", "d:1"): 1},
+                                                        {"load": 1}))  # the warm-up
+    after = parse_pairing_counters(router_metrics_text(
+        {("prefill", "p:1"): 7, ("prefill", "p:2"): 4, ("decode", "d:1"): 6, ("decode", "d:2"): 5},
+        {"load": 3, "prefix": 6, "balance": 2}))
+    f = pairing_counter_figures(before, after)
+    assert f["paired_requests"] == {"prefill": {"p:1": 6, "p:2": 4}, "decode": {"d:1": 5, "d:2": 5}}
+    assert f["shares"] == {"prefill": {"p:1": 0.6, "p:2": 0.4}, "decode": {"d:1": 0.5, "d:2": 0.5}}
+    assert (f["prefill_share_min"], f["prefill_share_max"], f["decode_share_min"], f["decode_share_max"]) == \
+        (0.4, 0.6, 0.5, 0.5)
+    assert f["decisions"] == {"affinity": 0, "balance": 2, "load": 2, "prefix": 6}
+    idle = pairing_counter_figures(after, after)  # nothing paired during the run: no shares
+    assert idle["shares"] == {"prefill": {}, "decode": {}} and idle["prefill_share_min"] is None
+    unknown = pairing_counter_figures(None, after)
+    assert all(v is None for v in unknown.values())
+    # in the figures: per target, with the pairing policy; a target without counters has None
+    runs = [sent("a", 0, 0, "on", 1), sent("a", 0, 1, "on", 1, cached=96, prompt=120)]
+    out = figures(runs, {}, ["a", "b"], {}, 2, 1.0, {"a": "load"}, {"a": (before, after)})
+    assert out["pairing"]["a"]["pairing"] == "load" and out["pairing"]["a"]["prefill_share_max"] == 0.6
+    assert out["pairing"]["a"]["prefill"]["reused_tokens"] == 96 and out["pairing"]["a"]["requests"] == 1
+    assert out["pairing"]["b"]["pairing"] is None and out["pairing"]["b"]["decisions"] is None
+    json.dumps(out)
+
+
+def test_pairings_option():
+    args = parse_args(["--quick", "--pairings", "cache_aware,load", "--clusters", "1+1,2+1", "--compare-off",
+                       "--up-args=--prefill-services 2 --decode-services 2"])
+    assert args.pairings == ["cache_aware", "load"]
+    own = OwnClusters(args)  # parses each cluster's `cpserve up` flags; starts nothing
+    first, other = "cluster 1+1 pairing=cache_aware", "cluster 1+1 pairing=load"
+    assert list(own.argv) == [first, first + NO_REUSE, other, "cluster 2+1 pairing=cache_aware",
+                              "cluster 2+1 pairing=cache_aware" + NO_REUSE, "cluster 2+1 pairing=load"]
+    assert own.argv[other][-2:] == ["--pairing", "load"] and "--prefill-services" in own.argv[other]
+    assert own.spaces[other].pairing == "load" and own.spaces[first].pairing == "cache_aware"
+    assert own.spaces[first + NO_REUSE].prefix_cache is False and own.spaces[other].prefill_services == 2
+    # policies compared: every cluster gets "on" requests only (the routers' counts are the conversations')
+    assert own.kinds[first] == own.kinds[other] == own.kinds[first + NO_REUSE] == ("on",)
+    assert own.twins == {first: first + NO_REUSE, "cluster 2+1 pairing=cache_aware":
+                         "cluster 2+1 pairing=cache_aware" + NO_REUSE}
+    assert own.pairing[other] == "load" and own.pairing[first + NO_REUSE] == "cache_aware"
+    plain = OwnClusters(parse_args(["--quick"]))  # without --pairings: as before
+    assert list(plain.argv) == ["cluster 1+1"] and plain.pairing == {"cluster 1+1": None}
+    assert "--pairing" not in plain.argv["cluster 1+1"] and plain.kinds == {"cluster 1+1": KINDS}
+    assert parse_args(["--pairings", "load"]).pairings == ["load"] and parse_args([]).pairings == []
+    assert list(OwnClusters(parse_args(["--pairings", "load"])).argv) == ["cluster pairing=load"]
+    for argv in (["--base-url", "http://x", "--pairings", "load"], ["--pairings", "cache_aware,cache_aware"],
+                 ["--pairings", "round_robin"], ["--pairings", ""], ["--pairings", "load", "--up-args=--pairing load"],
+                 ["--pairings", "load", "--up-args=--pairing=load"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+
+
 # ---- a whole run against a fake server ------------------------------------------------------------------
 class FakeServer(ThreadingHTTPServer):
     """/v1/completions streaming token ids, a deterministic function of the prompt, and a
@@ -150,6 +285,7 @@ class FakeServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), FakeHandler)
         self.pages: set = set()
         self.records: list[dict] = []
+        self.paired = {("prefill", "p:1"): 0, ("prefill", "p:2"): 0, ("decode", "d:1"): 0}
         self.lock = threading.Lock()
 
 
@@ -171,6 +307,15 @@ class FakeHandler(BaseHTTPRequestHandler):
         elif self.path == "/debug/ttft":
             with self.server.lock:
                 self._json({"requests": list(self.server.records)})
+        elif self.path == "/metrics":
+            with self.server.lock:
+                text = router_metrics_text(self.server.paired, {"load": sum(self.server.paired.values()) // 2})
+            data = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         else:
             self.send_error(404)
 
@@ -184,6 +329,8 @@ class FakeHandler(BaseHTTPRequestHandler):
             rid = f"cmpl-{len(self.server.records)}"
             self.server.records.append({"id": rid, "ttft_ms": 1.0, "stages_ms": {"parse": 0.5, "prefill_compute": 0.5},
                                         "cached_tokens": cached, "transfer_bytes": 10 * (len(ids) - cached)})
+            self.server.paired["prefill", "p:1" if len(self.server.records) % 2 else "p:2"] += 1
+            self.server.paired["decode", "d:1"] += 1
         out = [3 + (sum(ids) + k) % 200 for k in range(n)]
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -230,6 +377,16 @@ def test_a_run_against_a_fake_server(fake_server, tmp_path):
         for k in KINDS:
             assert 0 < r[f"{k}_ttft_ms_p50"] <= r[f"{k}_ttft_ms_p99"]
     assert [(r["kind"], r["requests"]) for r in out["throughput"]] == [("on", 9), ("cold", 9), ("ideal", 9)]
+    # turns 1 and 2 of 3 conversations: the whole previous prompt was reusable (96 + 128) and reused
+    (name,) = out["pairing"]
+    f = out["pairing"][name]
+    assert f["pairing"] is None and f["requests"] == 6
+    assert f["prefill"]["reusable_tokens"] == 3 * (96 + 128) and f["prefill"]["reused_over_reusable"] == 1.0
+    assert f["decode"]["reused_tokens"] is None  # the fake says nothing of decode
+    # the run's 27 requests (not the warm-up), alternating between two prefill services
+    assert sum(f["paired_requests"]["prefill"].values()) == 27 and f["paired_requests"]["decode"] == {"d:1": 27}
+    assert f["prefill_share_min"] == pytest.approx(13 / 27) and f["prefill_share_max"] == pytest.approx(14 / 27)
+    assert f["decode_share_min"] == f["decode_share_max"] == 1.0 and f["decisions"]["load"] >= 13
     assert (tmp_path / "multiturn.png").stat().st_size > 0
 
 
