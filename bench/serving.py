@@ -29,7 +29,14 @@ two sharing their first 16-token page, so no two share any page-aligned prefix â
 request's ``usage.prompt_tokens_details.cached_tokens`` (and the router's
 ``decode_cached_tokens``) must be 0 (``cached_nonzero`` counts those that are not); the table
 and the JSON (``reuse_ratios``) give each shape's throughput and TTFT / TPOT with reuse on over
-off, per level: what keeping and looking up reusable KV costs when nothing is reused.
+off, per level: what keeping and looking up reusable KV costs when nothing is reused. Before
+the levels every cluster's cache pools are written once (``--warm-pools``, the default: as many
+tokens of other distinct prompts, ``max_tokens`` 1, as the larger pool holds; ``pools_warmed_s``),
+so that both measure servers in their steady state: a pool's memory is mapped on first write,
+and a new cluster with reuse on keeps the pages the last request freed, so its requests write
+never-mapped pages until the pool has been written once, where one with reuse off reuses the
+same mapped, cache-warm pages (docs/benchmarks.md has both measured). ``--no-warm-pools``
+measures clusters as started.
 
 Here ``--model`` is the checkpoint (``bench``: the benchmark model of bench/common.py).
 
@@ -94,6 +101,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import contextlib
 import os
 import statistics
@@ -152,6 +160,9 @@ def parse_args() -> argparse.Namespace:
                    help="without --base-url: each cluster shape with KV reuse on (cpserve up's default) and/or off "
                         "(--no-prefix-cache), as separate targets, on distinct prompts (default: one cluster per "
                         "shape, cpserve up's default)")
+    p.add_argument("--warm-pools", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --reuse: before measuring, write every cluster's cache pools once with distinct "
+                        "prompts (default on; --no-warm-pools measures clusters as started)")
     args = p.parse_args()
 
     def numbers(flag: str, text: str, kind) -> list:
@@ -373,6 +384,33 @@ def warm_up(target: Target, prompt: Prompt, opts: RequestOptions) -> None:
     r = asyncio.run(go())
     if r.error:
         raise RuntimeError(f"{target.name}: the warm-up request failed: {r.error}")
+
+
+def warm_pools(args: argparse.Namespace, targets: list[Target], opts: RequestOptions) -> dict[str, float]:
+    """Write each cluster's cache pools once: distinct prompts (max_tokens 1, 8 at a time) until
+    as many tokens as the larger of the prefill and decode pools (``cpserve up``'s defaults) have
+    gone through. A pool's memory is mapped on first write (engine/cache/pool.py); with KV reuse
+    off a new request takes the pages the last one freed, already mapped and warm, while with reuse
+    on the kept pages push it onto never-written ones until the pool has been written once â€” a
+    one-time cost of a new server, not one of a prompt. Returns the seconds each took."""
+    from services.common.config import DecodeConfig, PrefillConfig
+
+    pool_tokens = max(PrefillConfig().max_cache_tokens, DecodeConfig().max_cache_tokens)
+    mean_len = sum(args.lengths) / 2
+    n = math.ceil(pool_tokens / mean_len) + 8
+    prompts = distinct_first_pages(random_ids(n, args.lengths, 1, vocab_size(args), args.seed + 7919),
+                                   vocab_size(args), args.seed + 7919)
+    took = {}
+    for t in targets:
+        t0 = time.perf_counter()
+        results, _ = asyncio.run(run_level(t, prompts, n, Level(concurrency=8),
+                                           RequestOptions(opts.chat, opts.ignore_eos), args.level_timeout, args.seed))
+        failed = [r.error for r in results if r.error]
+        if failed:
+            raise RuntimeError(f"{t.name}: a pool warm-up request failed: {failed[0]}")
+        took[t.name] = time.perf_counter() - t0
+        print(f"warmed {t.name}'s pools: {n} distinct prompts in {took[t.name]:.1f} s", file=sys.stderr, flush=True)
+    return took
 
 
 def measure(args: argparse.Namespace, targets: list[Target], prompts: list[Prompt], opts: RequestOptions,
@@ -727,6 +765,7 @@ def main() -> None:
         except DatasetError as e:
             args.parser.error(f"--dataset {e}")
     own = None if args.base_url else OwnServers(args)
+    warmed: dict[str, float] = {}
     opts = RequestOptions(chat=args.endpoint == "chat", ignore_eos=args.ignore_eos, exact_length=own is not None)
     try:
         targets = own.start() if own else base_targets(args)
@@ -735,6 +774,8 @@ def main() -> None:
         prompts = prompts or random_prompts(args, targets[0], n)
         for t in targets:
             warm_up(t, prompts[-1] if fresh_levels(args) else prompts[0], opts)
+        warmed = warm_pools(args, [t for t in targets if t.name in own.clusters], opts) \
+            if own and args.reuse is not None and args.warm_pools else {}
         engines = offline_engines(args, own, prompts) if own else {}
         stats, ids = measure(args, targets, prompts, opts, engines)
     except RuntimeError as e:
@@ -758,7 +799,7 @@ def main() -> None:
         "targets": [{"name": t.name, "url": t.url, "model": t.model, "is_cpserve": t.is_cpserve} for t in targets],
         "results": [{"target": t.name, "level": lv.label, "concurrency": lv.concurrency, "request_rate": lv.rate,
                      **stats[t.name, lv]} for lv in args.levels for t in targets],
-        "ratios_over_baseline": ratios,
+        "ratios_over_baseline": ratios, "pools_warmed_s": warmed,
         **extra,
     })
 
