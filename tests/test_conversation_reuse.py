@@ -116,7 +116,7 @@ def test_five_turns_reuse_both_sides_and_match_the_reference(cluster, reference)
         new_after_previous = len(prompt) - (previous + MAX_NEW)
         assert first.transfer_bytes <= (new_after_previous + cluster.span) * per_token, k
         assert first.transfer_bytes == (len(prompt) - first.decode_cached_tokens) * per_token
-    s = cluster.status()
+    s = cluster.wait_rows_free()  # a sequence in a step still in flight frees its rows when that step is collected
     assert s.prefix_cache_hits - hits_before >= 4 * (FIRST + MAX_NEW)
     assert all(u == 0 for u in s.rows_used) and s.running == 0  # idle cached rows are not "used"
     assert all(c > 0 for c in s.rows_cached)
@@ -150,7 +150,7 @@ def test_a_small_cache_stays_exact_leaks_nothing_and_a_restarted_decode_claims_n
                 answers[i], first = turn(client, prompt)
                 assert answers[i] == expected(reference, prompt), (k, i)
                 decode_hits += first.decode_cached_tokens > 0
-        s = client.status()
+        s = client.wait_rows_free()
         assert decode_hits > 0  # some pages survived
         assert all(u == 0 for u in s.rows_used) and s.reservations == 0 and s.running == 0
         assert all(f == s.rows_total[0] for f in s.rows_free)  # every row free or reclaimable
