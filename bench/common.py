@@ -97,3 +97,14 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
 
 if __name__ == "__main__":  # `python bench/common.py`: the benchmark model's directory (for `cpserve up --model`)
     print(bench_model_dir())
+
+
+def parse_shapes(p: argparse.ArgumentParser, text: str) -> list[tuple[int, int]]:
+    """``--clusters``: shapes ``P+D`` (prefill CP + decode DCP), comma-separated."""
+    try:
+        shapes = [tuple(int(x) for x in sh.split("+")) for sh in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        p.error(f"--clusters: expected shapes like 2+2,1+1 (prefill CP + decode DCP), got {text!r}")
+    return shapes

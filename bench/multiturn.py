@@ -107,7 +107,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from common import base_parser, bench_model_dir, emit_json, print_table, save_plot
+from common import base_parser, bench_model_dir, emit_json, parse_shapes, print_table, save_plot
 from common import parse_args as parse_with_quick
 from http_load import (Prompt, RequestOptions, Result, Target, base_targets, percentile, probe, request_ttft_records,
                        send)
@@ -671,16 +671,6 @@ def parse_pairings(p: argparse.ArgumentParser, text: str | None, up_args: str) -
     if any(a == "--pairing" or a.startswith("--pairing=") for a in shlex.split(up_args or "")):
         p.error("--pairings sets each cluster's --pairing: leave --pairing out of --up-args")
     return pairings
-
-
-def parse_shapes(p: argparse.ArgumentParser, text: str) -> list[tuple[int, int]]:
-    try:
-        shapes = [tuple(int(x) for x in sh.split("+")) for sh in text.split(",")]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
-        p.error(f"--clusters: expected shapes like 2+2,1+1 (prefill CP + decode DCP), got {text!r}")
-    return shapes
 
 
 def vocab_of(args: argparse.Namespace) -> int:

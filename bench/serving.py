@@ -108,7 +108,7 @@ import statistics
 import sys
 import time
 
-from common import base_parser, bench_model_dir, emit_json, print_table, save_plot
+from common import base_parser, bench_model_dir, emit_json, parse_shapes, print_table, save_plot
 from http_load import (PERCENTILES, DatasetError, Level, Prompt, RequestOptions, Target, base_targets, file_prompts,
                        probe, random_ids, random_text, request_ttft_records, run_level, send, stage_means_ms,
                        summarise, tokens_per_word, ttft_bound_check, ttft_stage_sums)
@@ -224,16 +224,6 @@ def check_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--random-prompt ids needs --endpoint completions (chat messages are text)")
     if args.dataset != "random" and not os.path.isfile(args.dataset):
         p.error(f"--dataset: expected 'random' or a JSONL file, got {args.dataset!r} (no such file)")
-
-
-def parse_shapes(p: argparse.ArgumentParser, text: str) -> list[tuple[int, int]]:
-    try:
-        shapes = [tuple(int(x) for x in sh.split("+")) for sh in text.split(",")]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
-        p.error(f"--clusters: expected shapes like 2+2,1+1 (prefill CP + decode DCP), got {text!r}")
-    return shapes
 
 
 def parse_reuse(p: argparse.ArgumentParser, text: str | None) -> list[bool] | None:
