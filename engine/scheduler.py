@@ -6,7 +6,8 @@ where a slot lives is the runner's business. Requests it admits itself (``add``:
 and the prefill engine) get pages for prompt + max_new_tokens at admission, so they never run
 out of cache. Requests adopted with their prompt already cached (``adopt``: the decode service)
 hold the prompt's pages only and get one more page when their next token needs it; when none
-is free, the request that joined the batch last is preempted (``preempted``): its pages are
+is free (idle cached pages of the prefix cache are evicted first: they count as free), the
+request that joined the batch last is preempted (``preempted``): its pages are
 freed and it ends with finish reason ``"preempted"``, which the decode service reports so that
 its router resumes it elsewhere (prompt + the tokens so far prefilled again). The request that
 joined first is never preempted for a later one, so the batch always makes progress.
