@@ -108,3 +108,18 @@ def parse_shapes(p: argparse.ArgumentParser, text: str) -> list[tuple[int, int]]
     if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
         p.error(f"--clusters: expected shapes like 2+2,1+1 (prefill CP + decode DCP), got {text!r}")
     return shapes
+
+
+BYTE_VOCAB = 259  # ids 0-258: what every byte-level tokenizer has (cpserve's: 3 + b for byte b)
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    """Random token ids are below this: ``--vocab-size``, else the byte vocabulary for other servers, else the
+    checkpoint's."""
+    if args.vocab_size:
+        return args.vocab_size
+    if args.base_url:
+        return BYTE_VOCAB
+    from engine.model.config import ModelConfig
+
+    return ModelConfig.load(args.model).vocab_size

@@ -107,12 +107,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from common import base_parser, bench_model_dir, emit_json, parse_shapes, print_table, save_plot
+from common import (BYTE_VOCAB, base_parser, bench_model_dir, emit_json, parse_shapes, print_table, save_plot,
+                    vocab_size)
 from common import parse_args as parse_with_quick
 from http_load import (Prompt, RequestOptions, Result, Target, base_targets, percentile, probe, request_ttft_records,
                        send)
 
-BYTE_VOCAB = 259  # ids 0-258: what every byte-level tokenizer has (cpserve's: 3 + b for byte b)
 KINDS = ("on", "cold", "ideal")
 RECORDS_EVERY = 512  # requests between two reads of /debug/ttft (the router keeps its last 2,048)
 NO_REUSE = " no-reuse"
@@ -673,16 +673,6 @@ def parse_pairings(p: argparse.ArgumentParser, text: str | None, up_args: str) -
     return pairings
 
 
-def vocab_of(args: argparse.Namespace) -> int:
-    if args.vocab_size:
-        return args.vocab_size
-    if args.base_url:
-        return BYTE_VOCAB
-    from engine.model.config import ModelConfig
-
-    return ModelConfig.load(args.model).vocab_size
-
-
 # ---- report --------------------------------------------------------------------------------------
 def _cell(v, digits: int = 1):
     """None (the server does not say) as '-'; counts and milliseconds with ``digits`` decimals."""
@@ -801,7 +791,7 @@ def main() -> None:
         for t in targets:
             probe(t, None if own else args.model)
         convs = build_conversations(args.conversations, args.system_len, args.first_len, args.growth, args.turns,
-                                    vocab_of(args), args.seed)
+                                    vocab_size(args), args.seed)
         twins = own.twins if own else {}
         kinds = own.kinds if own else {t.name: KINDS for t in targets}
         salts = {t.name: uuid.uuid4().hex for t in targets}  # targets sharing services share no cache entry

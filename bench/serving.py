@@ -108,12 +108,12 @@ import statistics
 import sys
 import time
 
-from common import base_parser, bench_model_dir, emit_json, parse_shapes, print_table, save_plot
+from common import (BYTE_VOCAB, base_parser, bench_model_dir, emit_json, parse_shapes, print_table, save_plot,
+                    vocab_size)
 from http_load import (PERCENTILES, DatasetError, Level, Prompt, RequestOptions, Target, base_targets, file_prompts,
                        probe, random_ids, random_text, request_ttft_records, run_level, send, stage_means_ms,
                        summarise, tokens_per_word, ttft_bound_check, ttft_stage_sums)
 
-BYTE_VOCAB = 259  # ids 0-258: what every byte-level tokenizer has (cpserve's: 3 + b for byte b)
 
 
 # ---- arguments -----------------------------------------------------------------------------------
@@ -349,16 +349,6 @@ def random_prompts(args: argparse.Namespace, first: Target, n: int) -> list[Prom
                            chat=args.endpoint == "chat")
     prompts = random_ids(total, args.lengths, args.output_len, vocab_size(args), args.seed)
     return distinct_first_pages(prompts, vocab_size(args), args.seed)
-
-
-def vocab_size(args: argparse.Namespace) -> int:
-    if args.vocab_size:
-        return args.vocab_size
-    if args.base_url:
-        return BYTE_VOCAB
-    from engine.model.config import ModelConfig
-
-    return ModelConfig.load(args.model).vocab_size
 
 
 def warm_up(target: Target, prompt: Prompt, opts: RequestOptions) -> None:
