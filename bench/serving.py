@@ -44,7 +44,10 @@ Load (bench/http_load.py says what each figure means). Every level runs on every
 same prompts (request i of a level sends prompt i everywhere), after one warm-up request per
 target, so that the targets share the machine's noise: one request at a time (c=1) interleaves
 them request by request (prompt i on A, then on B, ...; the order rotating with i), and a level
-with more in flight runs target after target, the order rotating per level (c=8 on B, on A; ...).
+with more in flight runs target after target in ``--rounds`` rounds, each round a consecutive
+share of the level's prompts on every target in turn, the order rotating per level and round
+(c=8: round 1 on B, on A; round 2 on A, on B; ...): default one round, four with ``--reuse on,off``,
+whose on / off ratios are the point of the run.
 Closed loop: ``--concurrency`` workers; open loop: ``--request-rate`` Poisson arrivals, seeded,
 the same arrival times on every target. Random prompts are each level's own (and the warm-up's
 its own), and token-id prompts never share their first 16-token page, so a server that reuses
@@ -160,6 +163,10 @@ def parse_args() -> argparse.Namespace:
                    help="without --base-url: each cluster shape with KV reuse on (cpserve up's default) and/or off "
                         "(--no-prefix-cache), as separate targets, on distinct prompts (default: one cluster per "
                         "shape, cpserve up's default)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="levels with several requests in flight: split each level's requests into this many "
+                        "rounds, every target running each round in turn (the order rotating), so that a slow "
+                        "stretch of the machine lands on every target alike (default 1; 4 with --reuse on,off)")
     p.add_argument("--warm-pools", action=argparse.BooleanOptionalAction, default=True,
                    help="with --reuse: before measuring, write every cluster's cache pools once with distinct "
                         "prompts (default on; --no-warm-pools measures clusters as started)")
@@ -191,7 +198,8 @@ def parse_args() -> argparse.Namespace:
         args.level_timeout = 20.0 if args.quick else 300.0
     for flag, value in (("--num-prompts", args.num_prompts), ("--output-len", args.output_len),
                         ("--vocab-size", args.vocab_size), ("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot),
-                        ("--level-timeout", args.level_timeout), ("--ref-threads", args.ref_threads)):
+                        ("--level-timeout", args.level_timeout), ("--ref-threads", args.ref_threads),
+                        ("--rounds", args.rounds)):
         if value is not None and not value > 0:
             p.error(f"{flag} must be > 0, got {value}")
     if args.vocab_size is not None and args.vocab_size <= 3:
@@ -200,6 +208,8 @@ def parse_args() -> argparse.Namespace:
         args.model = bench_model_dir() if args.model == "bench" else (args.model or "tiny")
         args.shapes = parse_shapes(p, args.clusters or ("1+1" if args.quick else "2+2,1+1"))
     args.reuse = parse_reuse(p, args.reuse)
+    if args.rounds is None:
+        args.rounds = 4 if args.reuse and len(args.reuse) == 2 else 1
     args.parser = p
     return args
 
@@ -402,8 +412,8 @@ def measure(args: argparse.Namespace, targets: list[Target], prompts: list[Promp
     target in turn, the order rotating with i, then request i + 1 — so that a slow stretch of
     the machine lands on every target alike: the ratios between targets (and the engine offline:
     each of ``offline``'s engines runs prompt i in the same round) are side by side at the
-    finest grain. Levels with more in flight run target after target, the order rotating per
-    level."""
+    finest grain. Levels with more in flight run target after target, in ``args.rounds`` rounds
+    (see :func:`rounds`)."""
     from tqdm import tqdm
 
     stats, ids = {}, {}
@@ -417,13 +427,7 @@ def measure(args: argparse.Namespace, targets: list[Target], prompts: list[Promp
                 bar.set_postfix_str(f"every target {level.label}, interleaved")
                 got = interleaved(args, targets, lp, n, opts, offline if li == 0 else None, lambda: bar.update(1))
             else:
-                got = {}
-                k = li % len(targets)
-                for t in targets[k:] + targets[:k]:  # rotate: share the noise
-                    bar.set_postfix_str(f"{t.name} {level.label}")
-                    results, start = asyncio.run(run_level(t, lp, n, level, opts, args.level_timeout, args.seed,
-                                                           lambda: bar.update(1)))
-                    got[t.name] = results, start, None
+                got = rounds(args, targets, lp, n, level, opts, li, bar)
             for t in targets:
                 results, start, wall = got[t.name]
                 s = stats[t.name, level] = summarise(results, n, start, args.slo_ttft, args.slo_tpot, wall)
@@ -438,6 +442,30 @@ def measure(args: argparse.Namespace, targets: list[Target], prompts: list[Promp
                 ids[t.name, level] = {r.index: r.ids for r in results if r.error is None}
                 bar.update(s["not_started"])
     return stats, ids
+
+
+def rounds(args: argparse.Namespace, targets: list[Target], prompts: list[Prompt], n: int, level: Level,
+           opts: RequestOptions, li: int, bar) -> dict:
+    """A level with several requests in flight: its requests 0..n-1 split into ``args.rounds``
+    consecutive rounds; each round runs on every target in turn (the order rotating with the
+    level and the round), the same prompts on each. {target: (results, start, wall_s)}, wall_s
+    the sum of the target's rounds (each from its start to its last request done)."""
+    sizes = [n // args.rounds + (1 if r < n % args.rounds else 0) for r in range(args.rounds)]
+    got = {t.name: ([], time.perf_counter(), 0.0) for t in targets}
+    offset = 0
+    for ri, size in enumerate(s for s in sizes if s):
+        k = (li + ri) % len(targets)
+        for t in targets[k:] + targets[:k]:
+            bar.set_postfix_str(f"{t.name} {level.label}" + (f" round {ri + 1}/{args.rounds}" if args.rounds > 1 else ""))
+            results, start = asyncio.run(run_level(t, prompts[offset:offset + size], size, level, opts,
+                                                   args.level_timeout, args.seed, lambda: bar.update(1)))
+            for r in results:
+                r.index += offset
+            done, first, wall = got[t.name]
+            done.extend(results)
+            got[t.name] = done, first, wall + max((r.end for r in results), default=start) - start
+        offset += size
+    return got
 
 
 def interleaved(args: argparse.Namespace, targets: list[Target], prompts: list[Prompt], n: int,

@@ -132,6 +132,43 @@ def test_one_request_at_a_time_interleaves_the_targets(servers):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_levels_in_flight_run_in_rounds_on_every_target(servers):
+    """c>1 with --rounds 3: 7 requests as rounds of 3, 2, 2; each round runs on every target
+    before the next round starts (the order rotating), the same prompts on each; results keep
+    the level's request indices and each target's wall time is the sum of its rounds."""
+    import argparse
+
+    from http_load import Level, RequestOptions, Target, probe, random_ids
+    from serving import rounds
+
+    class Bar:
+        def update(self, n):
+            pass
+
+        def set_postfix_str(self, s):
+            pass
+
+    targets = [Target("a", servers[0]), Target("b", servers[1])]
+    for t in targets:
+        probe(t, "tiny")
+    prompts = random_ids(7, (8, 16), 3, 300, seed=1)
+    args = argparse.Namespace(level_timeout=60, rounds=3, seed=0)
+    got = rounds(args, targets, prompts, 7, Level(concurrency=3), RequestOptions(), 1, Bar())
+    spans = {}  # (target, round) -> (first start, last end)
+    for name, (rs, _, wall) in got.items():
+        assert all(r.error is None for r in rs) and sorted(r.index for r in rs) == list(range(7))
+        assert all(r.prompt_tokens == len(prompts[r.index].token_ids) for r in rs)
+        for rnd, members in enumerate(((0, 1, 2), (3, 4), (5, 6))):
+            mine = [r for r in rs if r.index in members]
+            spans[name, rnd] = (min(r.start for r in mine), max(r.end for r in mine))
+        assert wall < max(r.end for r in rs) - min(r.start for r in rs)  # not the time the other target ran
+    order = [key for key, _ in sorted(spans.items(), key=lambda kv: kv[1][0])]
+    assert order == [("b", 0), ("a", 0), ("a", 1), ("b", 1), ("b", 2), ("a", 2)]
+    assert all(spans[a][1] <= spans[b][0] for a, b in zip(order, order[1:]))  # never two targets at once
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_chat_jsonl_poisson(servers, tmp_path):
     _, ref = servers
     data = tmp_path / "prompts.jsonl"
