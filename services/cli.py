@@ -231,6 +231,12 @@ def add_model_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + max_tokens limit (default: the config's max_position_embeddings, capped by the "
                         "decode cache)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="the largest request body (HTTP 413, answered from Content-Length before the body is read) "
+                        "and gRPC message; default 1 MiB + 64 bytes per token of the max model length (3 MiB for "
+                        "32k tokens, 9 MiB for 128k)")
+    p.add_argument("--request-read-timeout-s", type=float, default=None,
+                   help="a request body not whole this many seconds after the request arrived is answered 408 (30)")
 
 
 def build_parser_serve_router(subparsers) -> argparse.ArgumentParser:
@@ -263,6 +269,10 @@ def build_parser_serve_router(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=None,
                    help="requests that may wait for decode rows before a 429 (256)")
     p.add_argument("--max-wait-s", type=float, default=None, help="how long a request waits for decode rows (30)")
+    p.add_argument("--parse-workers", type=int, default=None,
+                   help="threads parsing and tokenizing bodies over 16 KiB (2; smaller ones have a lane of their own)")
+    p.add_argument("--max-large-requests", type=int, default=None,
+                   help="bodies over 16 KiB being parsed or waiting for a thread before a 503 (16)")
     p.add_argument("--pairing", choices=["cache_aware", "load"], default=None,
                    help="which pair takes a request: cache_aware (default): where its prefix is cached, unless "
                         "much busier; load: least outstanding work only")

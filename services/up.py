@@ -321,6 +321,8 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
                                                   ("--chat-template", args.chat_template),
                                                   ("--generation-config", args.generation_config),
                                                   ("--max-model-len", args.max_model_len),
+                                                  ("--max-request-bytes", args.max_request_bytes),
+                                                  ("--request-read-timeout-s", args.request_read_timeout_s),
                                                   ("--pairing", args.pairing)])
                        + ["--backends-from-stdin"], quiet, env=env)
         children.append(router)

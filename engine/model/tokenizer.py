@@ -21,12 +21,19 @@ window for Python ("slow") ones. Both hold text back while it ends in an incompl
 character; ``finish`` returns what the full decode has beyond what was streamed, so the streamed
 text always equals ``decode(all ids)``.
 
+Length bound: :meth:`Tokenizer.min_tokens` gives a lower bound on ``len(encode(text))`` in
+O(len(text)) without tokenizing, so the router can refuse a prompt that provably exceeds the
+context before paying for its tokenization. It rests on :func:`max_token_bytes`, the most UTF-8
+bytes one token can cover, which is proved only for byte-level BPE without a normalizer (GPT-2,
+Llama-3, DeepSeek-V3, GLM, Qwen, the tiny and demo models) and is ``None`` otherwise.
+
 The embedded tiny models ship a Hugging Face tokenizer folder with byte ids: 0 = <bos>,
 1 = <eos>, 2 = <pad>, 3 + b for byte b, and ``<unused_N>`` special tokens up to the vocabulary.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -78,12 +85,36 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """The ids of ``messages`` rendered with the chat template, generation prompt added. The
         template writes its own special tokens (BOS), so none are added when encoding it."""
-        return list(self.hf.encode(self.render_chat(messages), add_special_tokens=False))
+        return self.encode_rendered(self.render_chat(messages))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """The ids of a rendered chat template (its special tokens are in the text: none added)."""
+        return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode_stream(self, skip_special_tokens: bool = True) -> "FastDecodeStream | OffsetDecodeStream":
         if self._backend is not None:
             return FastDecodeStream(self, skip_special_tokens)
         return OffsetDecodeStream(self, skip_special_tokens)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """:func:`max_token_bytes` of this tokenizer. The first read parses the whole
+        ``tokenizer.json`` (the vocabulary included); read it once at start-up to keep that cost
+        off a request."""
+        return max_token_bytes(self.hf)
+
+    def min_tokens(self, text: str) -> int | None:
+        """A lower bound on ``len(self.encode(text))`` and on the ids of ``text`` encoded without
+        special tokens (a rendered chat, whose special tokens are literal text), or ``None`` when
+        the tokenizer gives no proof. Every token covers at most ``max_token_bytes`` bytes of
+        ``text``, so ``ceil(bytes / max_token_bytes)`` tokens are needed; added BOS/EOS only add.
+        Costs one UTF-8 encode of ``text`` unless it is ASCII (``isascii`` is O(1) in CPython)."""
+        most = self.max_token_bytes
+        if most is None:
+            return None
+        # surrogatepass: a lone surrogate (valid in JSON) counts as its 3 bytes instead of raising
+        size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        return -(-size // most)
 
 
 class _StreamBase:
@@ -148,15 +179,20 @@ class NoTokenizer:
 
     bos_token_id = eos_token_id = None
     has_chat_template = False
+    max_token_bytes = None
 
     def __init__(self, source: Path):
         self.source = source
+
+    def min_tokens(self, text: str) -> None:
+        """No bound: text is refused anyway (``encode`` raises :class:`NoTokenizerError`)."""
+        return None
 
     def _refuse(self, *_a, **_k):
         raise NoTokenizerError(f"the model has no tokenizer ({self.source} has none of {', '.join(TOKENIZER_FILES)}; "
                                "pass --tokenizer DIR, or send token ids)")
 
-    encode = render_chat = apply_chat_template = _refuse
+    encode = render_chat = apply_chat_template = encode_rendered = _refuse
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
@@ -263,3 +299,61 @@ def _bytes_to_unicode() -> dict[int, str]:
             out[b] = chr(256 + extra)
             extra += 1
     return out
+
+
+# Pre-tokenizers that only cut text into pieces; with behavior "Removed" a cut drops what it matches.
+_SPLITTERS = ("Split", "Digits", "Punctuation")
+
+
+def max_token_bytes(hf: Any) -> int | None:
+    """The most UTF-8 bytes of input text that one token of the transformers tokenizer ``hf`` can
+    cover, or ``None`` when no cheap proof exists.
+
+    Proved only when ``hf`` encodes through its Rust backend unchanged and that backend's JSON has
+    no normalizer, no truncation, a ByteLevel pre-tokenizer (alone or in a Sequence with splitters
+    that drop nothing), a BPE model without subword prefix/suffix whose vocabulary holds all 256
+    byte characters, and no added token that strips blanks beside it. Then the text reaches the
+    model as one character per byte, so a vocabulary token of k characters covers k bytes, no byte
+    becomes an unknown token (which could stand for any number of bytes) or vanishes, and an added
+    token covers exactly its content's bytes. The answer is the maximum of those.
+    Why ``None`` elsewhere: a normalizer may shrink text (NFKC folds full-width "Ａ" into "A", NFC
+    composes, Replace and Strip remove), WordLevel/WordPiece/Unigram map a whole unknown word to one
+    token, and a Python subclass may rewrite the text before the backend sees it."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or not _encodes_through_backend(hf):
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if (spec.get("normalizer") is not None or spec.get("truncation") is not None
+            or not _byte_level_splits_only(spec.get("pre_tokenizer"))
+            or model.get("type") != "BPE" or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix")):
+        return None
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = model.get("vocab") or {}
+    if not all(ch in vocab for ch in ByteLevel.alphabet()):
+        return None
+    added = spec.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):
+        return None
+    most = max([len(t) for t in vocab] + [len(t["content"].encode("utf-8")) for t in added])
+    return most if most >= 1 else None
+
+
+def _encodes_through_backend(hf: Any) -> bool:
+    """Whether ``hf.encode`` hands the text to the Rust backend as transformers' own fast class
+    does (not a subclass that overrides the encode path, as some model and remote-code classes do)."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(hf)
+    return isinstance(hf, PreTrainedTokenizerFast) and all(
+        getattr(cls, name, None) is getattr(PreTrainedTokenizerFast, name, None)
+        for name in ("encode", "_encode_plus", "_batch_encode_plus"))
+
+
+def _byte_level_splits_only(pre: dict | None) -> bool:
+    steps = (pre.get("pretokenizers") or []) if pre and pre.get("type") == "Sequence" else [pre]
+    kinds = [step.get("type") if isinstance(step, dict) else None for step in steps]
+    return "ByteLevel" in kinds and all(
+        kind == "ByteLevel" or (kind in _SPLITTERS and step.get("behavior") != "Removed")
+        for kind, step in zip(kinds, steps))

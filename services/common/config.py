@@ -260,6 +260,15 @@ class RouterConfig(_InternalPlaneConfig):
     generation_config: Literal["auto", "none"] = "auto"
     # prompt + max_tokens limit (default: the config's max_position_embeddings, capped by the cache)
     max_model_len: int | None = Field(None, ge=1)
+    # the largest request body (HTTP 413 above it, checked from Content-Length before reading) and
+    # gRPC message; None: 1 MiB + 64 bytes per token of max_model_len (services/router/intake.py)
+    max_request_bytes: int | None = Field(None, ge=1024)
+    request_read_timeout_s: float = Field(30.0, gt=0)  # a body not whole this long after arrival: 408
+    # parsing, tokenization and large responses run in threads: small bodies (<= 16 KiB) in a lane
+    # of their own, larger ones in parse_workers threads, at most max_large_requests of them
+    # running or waiting (more: 503 + Retry-After)
+    parse_workers: int = Field(2, ge=1)
+    max_large_requests: int = Field(16, ge=1)
     # which (prefill, decode) pair takes a request (services/router/pairing.py): cache_aware =
     # the most KV expected to be reused on both sides, unless that service is much busier than
     # the least loaded of its kind (load > min + balance_abs and > balance_rel x min); load =

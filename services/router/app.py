@@ -49,6 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.router.backend import BackendError
 from services.router.completion import CompletionRequest, CompletionRunner, Finished, TokenDelta
+from services.router.intake import WorkPool, encode_json
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Cluster
 from services.router.params import (ApiError, ModelContext, ParsedRequest, parse_detokenize, parse_json,
@@ -295,9 +296,27 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+def _sse_bytes(obj: dict) -> bytes:
+    """:func:`_sse` for a large object, encoded in pieces (intake.encode_json) in a worker thread."""
+    return b"data: " + encode_json(obj) + b"\n\n"
+
+
+def _response_weight(parsed: ParsedRequest, choices: list[_Choice] | None = None) -> int:
+    """Roughly the bytes of work in building a response's JSON: 0 when it is small (no echo, no
+    logprobs), else ~64 bytes a token scored or echoed (decides whether a worker builds it)."""
+    if not parsed.echo and parsed.logprobs is None:
+        return 0
+    prompt = sum(len(c.job.prompt_ids) for c in parsed.completions) if parsed.echo else 0
+    generated = sum(len(c.ids) for c in choices) if choices and parsed.logprobs is not None else 0
+    return 64 * (prompt + generated) * (1 + (parsed.logprobs or 0))
+
+
 def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, metrics: RouterMetrics,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, pool: WorkPool | None = None) -> FastAPI:
+    """The HTTP app. ``pool`` runs parsing, tokenization and large responses off the event loop
+    (services/router/intake.py; a pool of its own when not given)."""
     app = FastAPI(title="cpserve router", docs_url=None, redoc_url=None, openapi_url=None)
+    pool = pool or WorkPool()
     started = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -329,10 +348,11 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
 
     async def parse(request: Request, chat: bool) -> ParsedRequest:
         check_key(request)
+        raw = await request.body()  # already in memory (intake.BodyIntake read it)
         try:
-            return parse_request(parse_json(await request.body()), ctx, chat)
-        except ApiError:
-            metrics.requests.labels("invalid").inc()
+            return await pool.run(len(raw), lambda: parse_request(parse_json(raw), ctx, chat))
+        except ApiError as e:
+            metrics.requests.labels("invalid" if e.status < 500 else "unavailable").inc()
             raise
 
     async def complete(request: Request, chat: bool) -> Response:
@@ -343,10 +363,15 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
         try:
             if parsed.stream:
                 firsts = await _unless_disconnected(request, _all([anext(s) for s in streams]))
-                return StreamingResponse(_stream(shape, parsed, firsts, streams), media_type="text/event-stream",
+                return StreamingResponse(_stream(shape, parsed, firsts, streams, pool), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            return JSONResponse(await _unless_disconnected(
-                request, _all([_collect(_Choice(c), s) for c, s in zip(parsed.completions, streams)], shape.full)))
+            choices = await _unless_disconnected(
+                request, _all([_collect(_Choice(c), s) for c, s in zip(parsed.completions, streams)]))
+            weight = _response_weight(parsed, choices)
+            if not weight:
+                return JSONResponse(shape.full(choices))
+            return Response(await pool.run(weight, lambda: encode_json(shape.full(choices))),
+                            media_type="application/json")
         except BackendError as e:
             await _close_all(streams)
             raise api_error_of(e) from None
@@ -382,19 +407,23 @@ def build_app(ctx: ModelContext, runner: CompletionRunner, cluster: Cluster, met
                            "model", "model_not_found")
         return model_card()
 
-    async def body_of(request: Request) -> dict:
+    async def in_pool(request: Request, work) -> Response:
+        """``work(body)`` → a JSON-able answer, in the work pool, encoded there too."""
         check_key(request)
-        return parse_json(await request.body())
+        raw = await request.body()
+        return Response(await pool.run(len(raw), lambda: encode_json(work(parse_json(raw)))),
+                        media_type="application/json")
 
     @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict:
-        ids = parse_tokenize(await body_of(request), ctx)
-        return {"count": len(ids), "max_model_len": ctx.token_limit()[0], "tokens": ids, "token_strs": None}
+    async def tokenize(request: Request) -> Response:
+        def work(body: dict) -> dict:
+            ids = parse_tokenize(body, ctx)
+            return {"count": len(ids), "max_model_len": ctx.token_limit()[0], "tokens": ids, "token_strs": None}
+        return await in_pool(request, work)
 
     @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict:
-        ids = parse_detokenize(await body_of(request), ctx)
-        return {"prompt": ctx.tokenizer.decode(ids)}
+    async def detokenize(request: Request) -> Response:
+        return await in_pool(request, lambda body: {"prompt": ctx.tokenizer.decode(parse_detokenize(body, ctx))})
 
     @app.get("/version")
     async def version() -> dict:
@@ -502,16 +531,17 @@ async def _merged(firsts: list, streams: list[AsyncIterator]) -> AsyncIterator[t
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream(shape: _Shape, parsed: ParsedRequest, firsts: list, streams: list[AsyncIterator]
-                  ) -> AsyncIterator[str]:
+async def _stream(shape: _Shape, parsed: ParsedRequest, firsts: list, streams: list[AsyncIterator],
+                  pool: WorkPool) -> AsyncIterator[str | bytes]:
     choices = [_Choice(c) for c in parsed.completions]
     fresh = [True] * len(choices)  # no chunk sent yet (chat: the role goes in the first)
     offsets = [0] * len(choices)  # text_offset of the next token (completions logprobs)
     try:
         if shape.echo:
             for k, c in enumerate(choices):
-                if isinstance(firsts[k], TokenDelta):
-                    yield _sse(shape.echo_chunk(c, firsts[k]))
+                if isinstance(firsts[k], TokenDelta):  # the prompt's text and scores: built in the pool
+                    yield await pool.run(_response_weight(parsed),
+                                         lambda c=c, ev=firsts[k]: _sse_bytes(shape.echo_chunk(c, ev)))
                     fresh[k] = False
         async with aclosing(_merged(firsts, streams)) as events:
             async for k, ev in events:

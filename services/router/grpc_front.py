@@ -24,15 +24,17 @@ from services.router.backend import BackendError, Job
 from services.router.completion import CompletionRequest, CompletionRunner, Finished
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Cluster
+from services.router.intake import WorkPool
 from services.router.params import (MAX_STOP_STRINGS, ApiError, ModelContext, check_length, encode_text, invalid,
-                                    stop_token_set, token_ids)
+                                    refuse_long_ids, stop_token_set, token_ids)
 
 logger = logging.getLogger("cpserve.router")
 
 _FINISH = {"stop": router_pb2.FINISH_REASON_STOP, "length": router_pb2.FINISH_REASON_LENGTH}
 _STREAM_ERROR = {grpc.StatusCode.UNAVAILABLE: router_pb2.ERROR_CODE_UNAVAILABLE,
                  grpc.StatusCode.DEADLINE_EXCEEDED: router_pb2.ERROR_CODE_DEADLINE_EXCEEDED}
-_STATUS_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND}
+_STATUS_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                   503: grpc.StatusCode.UNAVAILABLE}
 
 
 def parse_generate(msg: router_pb2.GenerateRequest, ctx: ModelContext) -> CompletionRequest:
@@ -43,6 +45,8 @@ def parse_generate(msg: router_pb2.GenerateRequest, ctx: ModelContext) -> Comple
     kind = msg.WhichOneof("prompt")
     if kind is None:
         raise invalid("prompt", "is required (text or ids)")
+    if kind == "ids":
+        refuse_long_ids(msg.ids.ids, "ids", ctx)
     ids = encode_text(ctx, msg.text, "text") if kind == "text" else token_ids(list(msg.ids.ids), "ids", ctx.vocab_size)
     if not ids:
         raise invalid(kind, "must not be empty")
@@ -69,8 +73,10 @@ def parse_generate(msg: router_pb2.GenerateRequest, ctx: ModelContext) -> Comple
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, ctx: ModelContext, runner: CompletionRunner, metrics: RouterMetrics, api_key: str | None):
+    def __init__(self, ctx: ModelContext, runner: CompletionRunner, metrics: RouterMetrics, api_key: str | None,
+                 pool: WorkPool | None = None):
         self.ctx, self.runner, self.metrics, self.api_key = ctx, runner, metrics, api_key
+        self.pool = pool or WorkPool()
 
     def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
         if self.api_key is None:
@@ -89,9 +95,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if isinstance(request, Malformed):
                 raise invalid("request", f"is not a valid cpserve.router.GenerateRequest ({request.error})",
                               "invalid_message")
-            req = parse_generate(request, self.ctx)
+            size = len(request.text) if request.WhichOneof("prompt") == "text" else 8 * len(request.ids.ids)
+            req = await self.pool.run(size, parse_generate, request, self.ctx)  # tokenizing: off the loop
         except ApiError as e:
-            self.metrics.requests.labels("invalid").inc()
+            self.metrics.requests.labels("invalid" if e.status < 500 else "unavailable").inc()
             await context.abort(_STATUS_OF_HTTP.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message)
         sent = False
         try:
@@ -138,8 +145,11 @@ def add_router_servicer(servicer: RouterServicer, server) -> None:
 class GrpcFront:
     """The router's grpc.aio server (Router + health)."""
 
-    def __init__(self, servicer: RouterServicer, host: str, port: int):
-        self.server = grpc.aio.server()
+    def __init__(self, servicer: RouterServicer, host: str, port: int, max_message_bytes: int | None = None):
+        """``max_message_bytes``: the largest request message accepted (RESOURCE_EXHAUSTED above it;
+        the HTTP front's body limit); None: gRPC's default (4 MiB)."""
+        options = [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes)]
+        self.server = grpc.aio.server(options=options)
         add_router_servicer(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -396,28 +396,45 @@ def token_ids(ids: list[int], param: str, vocab_size: int) -> list[int]:
     return list(ids)
 
 
+def _refuse_provably_long(ctx: ModelContext, text: str, param: str) -> None:
+    """A 400 for ``text`` if it is provably at least the context limit in tokens, without
+    tokenizing it: from the tokenizer's lower bound (engine/model/tokenizer.py ``min_tokens``:
+    its bytes over the most bytes one token covers, where no normalizer can shrink the text)."""
+    bound = getattr(ctx.tokenizer, "min_tokens", lambda _t: None)(text)
+    limit, why = ctx.token_limit()
+    if bound is not None and bound >= limit:
+        raise invalid(param, f"the prompt is at least {bound} tokens (its text is too long to tokenize: "
+                             f"{len(text)} characters); prompt plus max_tokens may be at most {limit} tokens ({why})",
+                      "context_length_exceeded")
+
+
 def encode_text(ctx: ModelContext, text: str, param: str) -> list[int]:
-    """``text``'s ids (BOS included where the tokenizer adds it); a 400 if the model has none."""
+    """``text``'s ids (BOS included where the tokenizer adds it); a 400 if the model has none,
+    or if the text is provably longer than the context (then it is not tokenized at all)."""
     from engine.model.tokenizer import NoTokenizerError
 
     try:
+        _refuse_provably_long(ctx, text, param)
         return ctx.tokenizer.encode(text)
     except NoTokenizerError as e:
         raise invalid(param, str(e), "no_tokenizer") from None
 
 
 def chat_prompt_ids(messages: list[Message], ctx: ModelContext) -> list[int]:
-    """The ids of the conversation rendered with the model's chat template."""
+    """The ids of the conversation rendered with the model's chat template (the rendered text is
+    checked against the context before it is tokenized)."""
     from engine.model.tokenizer import NoChatTemplateError, NoTokenizerError
 
     try:
-        return ctx.tokenizer.apply_chat_template([{"role": m.role, "content": m.text} for m in messages])
+        text = ctx.tokenizer.render_chat([{"role": m.role, "content": m.text} for m in messages])
     except NoTokenizerError as e:
         raise invalid("messages", str(e), "no_tokenizer") from None
     except NoChatTemplateError as e:
         raise invalid("messages", str(e), "no_chat_template") from None
     except Exception as e:  # the template's own checks (raise_exception), or a template error
         raise invalid("messages", f"the chat template rejected the conversation: {e}", "chat_template_error") from None
+    _refuse_provably_long(ctx, text, "messages")
+    return ctx.tokenizer.encode_rendered(text)
 
 
 def check_length(num_prompt: int, max_tokens: int, ctx: ModelContext, prompt_param: str, max_param: str) -> None:
@@ -498,8 +515,29 @@ def _sampling(req: CompletionBody | ChatBody, ctx: ModelContext, max_tokens: int
     return s
 
 
+def refuse_long_ids(ids: Any, param: str, ctx: ModelContext) -> None:
+    """A token-id prompt (as parsed from JSON) at or over the context limit: a 400 before it is
+    validated or copied."""
+    if isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], int):
+        limit, why = ctx.token_limit()
+        if len(ids) >= limit:
+            raise invalid(param, f"the prompt is {len(ids)} tokens; prompt plus max_tokens may be at most {limit} "
+                                 f"tokens ({why})", "context_length_exceeded")
+
+
+def _refuse_long_prompts(body: dict, ctx: ModelContext) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        for i, p in enumerate(prompt[:MAX_PROMPTS]):
+            refuse_long_ids(p, f"prompt[{i}]", ctx)
+    else:
+        refuse_long_ids(prompt, "prompt", ctx)
+
+
 def parse_request(body: dict, ctx: ModelContext, chat: bool) -> ParsedRequest:
     """A validated request for /v1/chat/completions (``chat``) or /v1/completions."""
+    if not chat and isinstance(body, dict):
+        _refuse_long_prompts(body, ctx)
     req = validate(ChatBody if chat else CompletionBody, body)
     _check_model(req.model, ctx)
     prompts = _prompts(req, ctx)

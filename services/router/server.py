@@ -29,6 +29,7 @@ from services.router.admission import Admission
 from services.router.dispatch import Dispatcher
 from services.router.grpc_front import GrpcFront, RouterServicer
 from services.router.health import HealthMonitor
+from services.router.intake import BodyIntake, LoopLagProbe, WorkPool, default_max_request_bytes
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Cluster, PairingPolicy
 from services.router.params import ModelContext
@@ -151,6 +152,9 @@ async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, de
     p_clients = {c.address: c for c in prefills}
     d_clients = {c.address: c for c in decodes}
     ctx = model_context(config, cluster, model_files)
+    max_bytes = config.max_request_bytes or default_max_request_bytes(ctx.max_positions)
+    getattr(ctx.tokenizer, "max_token_bytes", None)  # the token-count bound's scan of the vocabulary: now, once
+    pool = WorkPool(config.parse_workers, config.max_large_requests)
     dispatcher = Dispatcher(cluster, p_clients, d_clients, metrics, max_retries=config.max_retries,
                             request_timeout_s=config.request_timeout_s, rpc_timeout_s=config.rpc_timeout_s,
                             admission=Admission(config.max_waiting, config.max_wait_s))
@@ -159,16 +163,19 @@ async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, de
 
     grpc_front = None
     if config.grpc_port is not None:
-        grpc_front = GrpcFront(RouterServicer(ctx, runner, metrics, config.api_key), config.host, config.grpc_port)
+        grpc_front = GrpcFront(RouterServicer(ctx, runner, metrics, config.api_key, pool), config.host,
+                               config.grpc_port, max_bytes)
         monitor.on_change.append(grpc_front.set_serving)
         await grpc_front.start()
 
     sock = listen_socket(config.host, config.port)
-    app = build_app(ctx, runner, cluster, metrics, config.api_key)
+    app = BodyIntake(build_app(ctx, runner, cluster, metrics, config.api_key, pool), max_bytes,
+                     config.request_read_timeout_s, lambda status: metrics.requests.labels("invalid").inc())
     http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                          timeout_graceful_shutdown=2))
     await monitor.poll_once()
     monitor_task = asyncio.create_task(monitor.run())
+    lag_task = asyncio.create_task(LoopLagProbe(metrics.loop_lag.observe).run())
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     while not http.started:
         if http_task.done():
@@ -190,7 +197,9 @@ async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, de
         if grpc_front:
             await grpc_front.stop()
         monitor_task.cancel()
+        lag_task.cancel()
         await dispatcher.drain()
+        pool.shutdown()
         for client in [*prefills, *decodes]:
             await client.close()
         sock.close()
