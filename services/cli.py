@@ -270,7 +270,8 @@ def build_parser_serve_router(subparsers) -> argparse.ArgumentParser:
                    help="requests that may wait for decode rows before a 429 (256)")
     p.add_argument("--max-wait-s", type=float, default=None, help="how long a request waits for decode rows (30)")
     p.add_argument("--parse-workers", type=int, default=None,
-                   help="threads parsing and tokenizing bodies over 16 KiB (2; smaller ones have a lane of their own)")
+                   help="threads parsing and tokenizing bodies over 16 KiB (default half the CPUs, 1 to 4; smaller "
+                        "bodies have a lane of their own)")
     p.add_argument("--max-large-requests", type=int, default=None,
                    help="bodies over 16 KiB being parsed or waiting for a thread before a 503 (16)")
     p.add_argument("--pairing", choices=["cache_aware", "load"], default=None,

@@ -98,7 +98,7 @@ def test_trained_byte_level_bpe_bound_is_longest_token(tokenizers):
 def test_bound_never_exceeds_token_count(tokenizers, name):
     tok = tokenizers[name]
 
-    @settings(max_examples=100, deadline=None)
+    @settings(max_examples=40, deadline=None)
     @given(TEXTS)
     def check(text):
         bound = tok.min_tokens(text)
@@ -110,7 +110,7 @@ def test_bound_never_exceeds_token_count(tokenizers, name):
     check()
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.binary(max_size=300).map(lambda b: b.decode("latin-1").replace("<", "")))
 def test_tiny_bound_is_within_its_factor_of_byte_count(tokenizers, text):
     """Without a literal special token the tiny tokenizer spends one token per byte plus BOS, so

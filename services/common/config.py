@@ -265,9 +265,10 @@ class RouterConfig(_InternalPlaneConfig):
     max_request_bytes: int | None = Field(None, ge=1024)
     request_read_timeout_s: float = Field(30.0, gt=0)  # a body not whole this long after arrival: 408
     # parsing, tokenization and large responses run in threads: small bodies (<= 16 KiB) in a lane
-    # of their own, larger ones in parse_workers threads, at most max_large_requests of them
+    # of their own, larger ones in parse_workers threads (None: half the CPUs, 1 to 4 — they
+    # compete with the loop and the engine ranks for cores), at most max_large_requests of them
     # running or waiting (more: 503 + Retry-After)
-    parse_workers: int = Field(2, ge=1)
+    parse_workers: int | None = Field(None, ge=1)
     max_large_requests: int = Field(16, ge=1)
     # which (prefill, decode) pair takes a request (services/router/pairing.py): cache_aware =
     # the most KV expected to be reused on both sides, unless that service is much busier than

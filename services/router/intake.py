@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
@@ -46,6 +47,13 @@ def default_max_request_bytes(max_model_len: int) -> int:
     prompt at the limit as text (typical text is 3-5 bytes a token; JSON escapes of non-ASCII
     text up to ~12) or as token ids (at most 8 bytes each: ``131071, ``), with the other fields."""
     return MIB + 64 * max_model_len
+
+
+def default_parse_workers() -> int:
+    """Threads for large bodies: half the CPUs this process may use, 1 to 4. Tokenizing takes a
+    whole core while it runs; more threads than that would take the cores the event loop and,
+    where they share the machine, the engine ranks need (on 2 cores: 1)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) // 2))
 
 
 def _error_body(message: str, code: str, type_: str = "invalid_request_error", param: str | None = None) -> bytes:

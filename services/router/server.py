@@ -29,7 +29,8 @@ from services.router.admission import Admission
 from services.router.dispatch import Dispatcher
 from services.router.grpc_front import GrpcFront, RouterServicer
 from services.router.health import HealthMonitor
-from services.router.intake import BodyIntake, LoopLagProbe, WorkPool, default_max_request_bytes
+from services.router.intake import (BodyIntake, LoopLagProbe, WorkPool, default_max_request_bytes,
+                                    default_parse_workers)
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Cluster, PairingPolicy
 from services.router.params import ModelContext
@@ -154,7 +155,7 @@ async def _serve(config: RouterConfig, plane: InternalPlane, prefill_clients, de
     ctx = model_context(config, cluster, model_files)
     max_bytes = config.max_request_bytes or default_max_request_bytes(ctx.max_positions)
     getattr(ctx.tokenizer, "max_token_bytes", None)  # the token-count bound's scan of the vocabulary: now, once
-    pool = WorkPool(config.parse_workers, config.max_large_requests)
+    pool = WorkPool(config.parse_workers or default_parse_workers(), config.max_large_requests)
     dispatcher = Dispatcher(cluster, p_clients, d_clients, metrics, max_retries=config.max_retries,
                             request_timeout_s=config.request_timeout_s, rpc_timeout_s=config.rpc_timeout_s,
                             admission=Admission(config.max_waiting, config.max_wait_s))
