@@ -19,7 +19,7 @@ echoed prompt, encoding a large response — delays every other client's next to
   parts of parsing are preempted every switch interval (5 ms), so the loop keeps its turn; a
   process pool would add a copy of every prompt and of its ids each way. What does hold the
   GIL for its whole duration is a single C call on a large object — ``json.loads`` of the
-  body (bounded by the body limit: ~10 ms a MiB) and ``json.dumps`` of a response, which
+  body (bounded by the body limit) and ``json.dumps`` of a response, which
   :func:`encode_json` therefore does in pieces (tests/test_router_intake.py holds the loop to
   100 ms beside a 2 s tokenization; bench/router_stall.py measures streams beside it).
 - :class:`LoopLagProbe` wakes every ``interval_s`` and records how late it woke: the time any
@@ -55,10 +55,6 @@ def default_parse_workers() -> int:
     whole core while it runs; more threads than that would take the cores the event loop and,
     where they share the machine, the engine ranks need (on 2 cores: 1)."""
     return max(1, min(4, len(os.sched_getaffinity(0)) // 2))
-
-
-def _error_body(message: str, code: str, type_: str = "invalid_request_error", param: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 
 class BodyIntake:
@@ -119,7 +115,7 @@ class BodyIntake:
 
     async def _refuse(self, send, status: int, message: str, code: str, close: bool = False) -> None:
         self.on_refused(status)
-        body = _error_body(message, code)
+        body = json.dumps(ApiError(status, message, None, code).body()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if close:
             headers.append((b"connection", b"close"))
