@@ -141,7 +141,7 @@ class ExpertWorker:
         if kind == "prefill":
             mine = torch.tensor(own[r], dtype=torch.long)
             moe = self._sharded(tp=False)
-            dispatch = AllToAllExperts(self.ctx.group, r, c, self.cfg.n_routed_experts)
+            dispatch = AllToAllExperts(self.ctx.comm, r, c, self.cfg.n_routed_experts)
         else:
             mine = torch.arange(x.shape[0])
             moe = self._sharded(tp=True)
@@ -193,6 +193,12 @@ class CommWorker:
                 dist.reduce_scatter_single(want, flat, group=self.ctx.group)
                 if not torch.allclose(got.float(), want.float(), **tol):
                     out["mismatch"].append(("reduce_scatter", shape, dtype))
+            src = (seed + len(out["sums"])) % c
+            got, want = x.clone(), x.clone()
+            comm.broadcast(got, src)
+            dist.broadcast(want, group=self.ctx.group, group_src=src)
+            if not torch.equal(got, want):
+                out["mismatch"].append(("broadcast", shape, dtype))
         # a non-contiguous tensor reduced in place (shared memory; gloo needs a contiguous copy)
         x = (torch.randn(6, 4, generator=g) * 100).t()
         mine, ref = x.clone(), x.contiguous()  # clone keeps the transposed strides
@@ -201,5 +207,40 @@ class CommWorker:
         out["sums"].append(mine.contiguous())
         if mine.is_contiguous() or not torch.allclose(mine, ref, rtol=1e-6, atol=1e-3):
             out["mismatch"].append(("all_reduce", "non-contiguous"))
+        mine, ref = x.clone(), x.contiguous()
+        comm.broadcast(mine, c - 1)
+        dist.broadcast(ref, group=self.ctx.group, group_src=c - 1)
+        if mine.is_contiguous() or not torch.equal(mine, ref):
+            out["mismatch"].append(("broadcast", "non-contiguous"))
         out["ops"] = (comm.shm_ops - before[0], comm.group_ops - before[1])
+        return out
+
+    def uneven_and_ring(self, seed: int) -> dict:
+        """The uneven all-to-all beside torch.distributed's, and C − 1 ring steps (each rank
+        sends to rank + 1 and receives from rank − 1) in which every rank sees every other
+        rank's block once; one block is larger than a slot."""
+        comm, r, c = self.ctx.comm, self.ctx.rank, self.ctx.world_size
+        out = {"mismatch": []}
+        before = (comm.shm_ops, comm.group_ops, comm.p2p_bytes)
+        rows = lambda i, j: (i + 2 * j + seed) % 3  # rows rank i sends rank j (some none)
+        in_splits, out_splits = [rows(r, j) for j in range(c)], [rows(i, r) for i in range(c)]
+        x = torch.randn(sum(in_splits), 5, generator=torch.Generator().manual_seed(seed * 100 + r))
+        got, want = torch.empty(sum(out_splits), 5), torch.empty(sum(out_splits), 5)
+        comm.all_to_all(got, x, out_splits, in_splits)
+        dist.all_to_all_single(want, x, out_splits, in_splits, group=self.ctx.group)
+        if not torch.equal(got, want):
+            out["mismatch"].append("all_to_all")
+        sent = 0
+        for numel in (7, comm.slot_bytes // 4 + 8):
+            block = lambda rank: torch.arange(numel, dtype=torch.float32) + 1000 * rank + seed
+            held = block(r)
+            for step in range(1, c):
+                nxt = torch.empty_like(held)
+                comm.sendrecv(held, (r + 1) % c, nxt, (r - 1) % c)
+                sent += held.numel() * held.element_size()
+                held = nxt
+                if not torch.equal(held, block((r - step) % c)):
+                    out["mismatch"].append(("ring", numel, step))
+        out["ops"] = (comm.shm_ops - before[0], comm.group_ops - before[1])
+        out["p2p_bytes"] = (comm.p2p_bytes - before[2], sent)
         return out

@@ -189,7 +189,8 @@ def test_decode_plans_cross_as_two_byte_strings_and_come_back_equal():
 def test_shared_memory_collectives_equal_the_process_groups(world_size):
     """engine/parallel/comm.py: every collective gives what torch.distributed's gives; the
     all-reduce gives every rank the same bits; a message larger than a slot goes through the
-    process group; nothing is left in /dev/shm once the group is up."""
+    process group; nothing is left in /dev/shm once the group is up. The uneven all-to-all
+    and a ring's sends and receives go through the process group and deliver what was sent."""
     with WorkerGroup(world_size, CommWorker, name="comm") as group:
         assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"cpserve-{os.getpid()}-")]
         for seed in range(3):
@@ -198,9 +199,23 @@ def test_shared_memory_collectives_equal_the_process_groups(world_size):
             assert [r["mismatch"] for r in results] == [[]] * world_size
             for k in range(len(results[0]["sums"])):
                 assert all(torch.equal(r["sums"][k], results[0]["sums"][k]) for r in results)
-            # 5 messages x 4 collectives (3 for the int64 one), one non-contiguous all-reduce;
-            # the large one's 4 via gloo
-            assert all(r["ops"] == (16, 4) for r in results), [r["ops"] for r in results]
+            # 5 messages x 5 collectives (4 for the int64 one), a non-contiguous all-reduce and
+            # broadcast; the large one's 5 via gloo
+            assert all(r["ops"] == (21, 5) for r in results), [r["ops"] for r in results]
+            results = group.call("uneven_and_ring", seed)
+            assert [r["mismatch"] for r in results] == [[]] * world_size
+            # one all-to-all; 2 blocks x (C - 1) steps x (a send and a receive); nothing via shm
+            assert all(r["ops"] == (0, 1 + 4 * (world_size - 1)) for r in results), [r["ops"] for r in results]
+            assert all(r["p2p_bytes"][0] == r["p2p_bytes"][1] > 0 for r in results)
+
+
+def test_a_ring_of_one_rank_passes_its_block_to_itself():
+    from engine.parallel.comm import Comm
+
+    comm = Comm(0, 1, None, torch.device("cpu"), "unused")
+    x, out = torch.arange(6.0), torch.empty(6)
+    comm.sendrecv(x, 0, out, 0)
+    assert torch.equal(out, x) and (comm.shm_ops, comm.group_ops, comm.p2p_bytes) == (0, 0, 0)
 
 
 @pytest.mark.timeout(60)

@@ -1,4 +1,10 @@
-"""Collectives of one rank group, with a shared-memory path for small CPU messages.
+"""Collectives and point-to-point messages of one rank group, with a shared-memory path for
+small CPU messages.
+
+Every collective and point-to-point call of a rank's code goes through :class:`Comm` (the
+prefill CP all-gather and layer-split broadcast, the expert all-to-alls, the DCP exchange, a
+ring's sends and receives), so what runs underneath can change here alone;
+tests/test_comm_seam.py fails on a ``torch.distributed`` collective called anywhere else.
 
 Every rank of a :class:`~engine.parallel.group.WorkerGroup` is a process on the same host, and a
 decode step sends a handful of small messages per layer (the DCP exchange, the tensor-parallel
@@ -19,11 +25,14 @@ one copy in, the flag, and one copy (or sum) out (``bench/decode_dcp.py --quick`
 - an operation: copy this rank's tensor into its slot, publish the sequence number, wait until
   every rank has published it, read the others' slots.
 
-Each rank then reduces in rank order 0, 1, …, C − 1 (in fp32), so every rank gets the same bits.
+Each rank then reduces in rank order 0, 1, …, C − 1 (in fp32), so every rank gets the same bits;
+a broadcast is the same exchange in which only the source writes its slot.
 Messages larger than a slot, non-CPU tensors, non-x86 hosts (whose memory order would need
 fences that Python cannot issue) and a segment that cannot be made (no /dev/shm) go through
 the process group as before. All ranks take the same path for one operation: it depends on
-the sizes, which are equal on every rank for these collectives.
+the sizes, which are equal on every rank for these collectives. The uneven all-to-all and the
+point-to-point messages always use the process group: a rank knows only its own splits (the
+ranks could not agree on a path without one more exchange), and a send has no "every rank".
 
 Waiting spins briefly, then yields the core, then sleeps in 50 µs steps (a rank group may share
 its cores with other work), and gives up after the group's collective timeout.
@@ -54,8 +63,12 @@ def shm_supported(device: torch.device) -> bool:
 
 
 class Comm:
-    """all_reduce / all_gather_single / all_to_all_single / reduce_scatter_single with the
-    semantics of torch.distributed's (sum; equal splits), on ``group``."""
+    """all_reduce / all_gather_single / all_to_all_single / reduce_scatter_single / broadcast,
+    the uneven all_to_all and isend / irecv with the semantics of torch.distributed's (sum;
+    ranks are ``group``'s), on ``group``; sendrecv is one step of a ring.
+
+    ``shm_ops`` / ``group_ops`` count the operations each path ran (a send or a receive is one
+    group operation); ``p2p_bytes`` the bytes this rank has sent with isend."""
 
     def __init__(self, rank: int, world: int, group, device: torch.device, name: str, timeout_s: float = 300.0,
                  slot_bytes: int = SLOT_BYTES):
@@ -63,6 +76,7 @@ class Comm:
         self.slot_bytes = slot_bytes
         self.seq = 0
         self.shm_ops = self.group_ops = 0  # how many of each ran (tests, diagnostics)
+        self.p2p_bytes = 0
         self._data = self._flags = None
         if world > 1 and shm_supported(device):
             try:
@@ -125,14 +139,16 @@ class Comm:
             views = self._cache[key] = (every[self.rank], every, tuple(every[r] for r in range(self.world)))
         return views
 
-    def _publish(self, x: torch.Tensor) -> tuple:
-        """Write ``x`` into this rank's slot, wait for every rank's; the slots as
-        ``_views`` gives them (row r: rank r's ``x``), valid until the next operation but one."""
+    def _publish(self, x: torch.Tensor, write: bool = True) -> tuple:
+        """Write ``x`` into this rank's slot (unless ``write`` is false: the slot is left as it
+        is, only the arrival is published), wait for every rank's; the slots as ``_views``
+        gives them (row r: rank r's ``x``), valid until the next operation but one."""
         self.seq += 1
         self.shm_ops += 1
         seq = self.seq
         views = self._views(seq % 2, x.dtype, x.numel())
-        views[0].copy_(x.reshape(-1))
+        if write:
+            views[0].copy_(x.reshape(-1))
         flags = self._flags
         flags[self.rank * _STRIDE] = seq  # x86 keeps stores in order: the data is visible first
         for peer in range(self.world):
@@ -172,12 +188,12 @@ class Comm:
         out.copy_(acc)
 
     # ---- the collectives --------------------------------------------------------------------
-    def _via_group(self, x: torch.Tensor, collective, *args) -> bool:
-        """Run ``collective(*args)`` on the process group when ``x`` does not fit a slot."""
+    def _via_group(self, x: torch.Tensor, collective, *args, **kwargs) -> bool:
+        """Run ``collective(*args, **kwargs)`` on the process group when ``x`` does not fit a slot."""
         if self._fits(x):
             return False
         self.group_ops += 1
-        collective(*args, group=self.group)
+        collective(*args, group=self.group, **kwargs)
         return True
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,3 +225,44 @@ class Comm:
             every = self._publish(x)[1]
             if x.numel():
                 self._sum(tuple(every.view(self.world, self.world, -1)[:, self.rank]), out.view(-1))
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """``x`` = rank ``src``'s ``x`` on every rank, in place (and returned)."""
+        if not self._via_group(x, dist.broadcast, x, group_src=src):
+            views = self._publish(x, write=self.rank == src)
+            if self.rank != src:
+                x.copy_(views[2][src].view(x.shape))
+        return x
+
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        """Uneven splits, as torch.distributed.all_to_all_single's output_split_sizes /
+        input_split_sizes: the ``in_splits[j]`` rows of ``x`` after the first
+        ``sum(in_splits[:j])`` go to rank j; ``out``'s ``out_splits[i]`` rows (in the same
+        order) came from rank i. Always through the process group (see the module docstring)."""
+        self.group_ops += 1
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group)
+
+    # ---- point to point (the process group) -------------------------------------------------
+    def isend(self, x: torch.Tensor, dst: int):
+        """Start sending ``x`` to rank ``dst``; the returned handle's ``wait()`` returns once
+        ``x`` may be changed again."""
+        self.group_ops += 1
+        self.p2p_bytes += x.numel() * x.element_size()
+        return dist.isend(x, group=self.group, group_dst=dst)
+
+    def irecv(self, out: torch.Tensor, src: int):
+        """Start receiving rank ``src``'s message into ``out``; it is there once the returned
+        handle's ``wait()`` returns."""
+        self.group_ops += 1
+        return dist.irecv(out, group=self.group, group_src=src)
+
+    def sendrecv(self, x: torch.Tensor, dst: int, out: torch.Tensor, src: int) -> None:
+        """One ring step: send ``x`` to ``dst`` and receive ``src``'s into ``out``. Both are
+        posted before either is waited on, so every rank may call it at once (each sending to
+        rank + 1 and receiving from rank − 1) without a deadlock. A ring of one copies."""
+        if dst == self.rank and src == self.rank:
+            out.copy_(x)
+            return
+        works = [self.irecv(out, src), self.isend(x, dst)]
+        for work in works:
+            work.wait()

@@ -39,7 +39,6 @@ import time
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
 from engine.cache.gather import RowGatherer, fused_decode_attention
 from engine.cache.kvformat import KVFormat

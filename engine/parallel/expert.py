@@ -30,7 +30,6 @@ one T·H all-reduce of partial sums, bought for an exact combine in the referenc
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from engine.model.experts import LOCAL_EXPERTS, combine, grouped_experts, pair_rows
 from engine.parallel.layout import expert_owner_ranges
@@ -45,10 +44,11 @@ def check_moe_parallel(value: str) -> str:
 
 
 class AllToAllExperts:
-    """Prefill CP dispatch/combine over all-to-all (see the module docstring)."""
+    """Prefill CP dispatch/combine over all-to-all (see the module docstring).
+    ``comm``: the group's engine.parallel.comm.Comm."""
 
-    def __init__(self, group, rank: int, world: int, num_experts: int):
-        self.group, self.rank, self.world = group, rank, world
+    def __init__(self, comm, rank: int, world: int, num_experts: int):
+        self.comm, self.rank, self.world = comm, rank, world
         ranges = expert_owner_ranges(num_experts, world)
         self.bounds = [(r.start, r.stop) for r in ranges]
         self.owner = torch.tensor([r for r, rg in enumerate(ranges) for _ in rg], dtype=torch.long)
@@ -62,18 +62,18 @@ class AllToAllExperts:
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, hence by owner rank
         counts = torch.bincount(flat, minlength=self.num_experts)
         every = torch.empty(self.world * self.num_experts, dtype=torch.long)
-        dist.all_gather_single(every, counts, group=self.group)
+        self.comm.all_gather_single(every, counts)
         every = every.view(self.world, self.num_experts)
         lo, hi = self.bounds[self.rank]
         send = [int(counts[a:b].sum()) for a, b in self.bounds]
         recv = every[:, lo:hi].sum(dim=1).tolist()
         rows = x.index_select(0, order // k)
         got = x.new_empty(sum(recv), h)
-        dist.all_to_all_single(got, rows, recv, send, group=self.group)
+        self.comm.all_to_all(got, rows, recv, send)
         ids = torch.repeat_interleave(torch.arange(lo, hi).repeat(self.world), every[:, lo:hi].reshape(-1))
         out = grouped_experts(moe.experts, got, ids)
         back = x.new_empty(t * k, h)
-        dist.all_to_all_single(back, out, send, recv, group=self.group)
+        self.comm.all_to_all(back, out, send, recv)
         self.bytes_sent += (rows.numel() - send[self.rank] * h + out.numel() - recv[self.rank] * h) * x.element_size()
         y = torch.empty_like(back)
         y[order] = back
@@ -127,10 +127,10 @@ class ReplicatedDecodeExperts:
         return out + part
 
 
-def prefill_dispatch(moe_parallel: str, group, rank: int, world: int, num_experts: int):
+def prefill_dispatch(moe_parallel: str, comm, rank: int, world: int, num_experts: int):
     if world == 1 or moe_parallel == "replicate" or num_experts == 0:
         return LOCAL_EXPERTS
-    return AllToAllExperts(group, rank, world, num_experts)
+    return AllToAllExperts(comm, rank, world, num_experts)
 
 
 def decode_dispatch(moe_parallel: str, comm, world: int):

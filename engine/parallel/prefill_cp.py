@@ -30,7 +30,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.distributed as dist
 
 from engine.cache.kvformat import KVFormat
 from engine.cache.pool import KVPool, zeroed
@@ -77,7 +76,7 @@ class CPKV:
         buf = own.new_zeros(self.width, own.shape[1])
         buf[: own.shape[0]] = own
         out = own.new_empty(r.world * self.width, own.shape[1])
-        dist.all_gather_single(out, buf, group=r.group)
+        r.comm.all_gather_single(out, buf)
         r.gathered_bytes += out.numel() * out.element_size()
         return out[self.order]
 
@@ -119,7 +118,7 @@ class CPKV:
         else:
             buf = torch.empty(n, width, dtype=fmt.storage_dtype)
         if r.world > 1:
-            dist.broadcast(buf, src=owner, group=r.group)
+            r.comm.broadcast(buf, owner)
         r.scratch.latent_rows[self.prefix_slots] = buf[:, : fmt.entry_width]
         if has_index:
             r.scratch.index_rows[self.prefix_slots] = buf[:, fmt.entry_width :]
@@ -151,12 +150,12 @@ class PrefillRank:
                  kv_cache_dtype: str = "auto"):
         if layer_split and strategy != "interleave":
             raise ValueError("layer_split: supported with the interleave strategy only")
-        self.rank, self.world, self.group = ctx.rank, ctx.world_size, ctx.group
+        self.rank, self.world, self.comm = ctx.rank, ctx.world_size, ctx.comm
         self.strategy, self.dtype = strategy, parse_dtype(dtype)
         self.shard = WeightShard(self.rank, self.world, tp=False, moe_parallel=moe_parallel)
         self.lm = load_model(model_dir, dtype, shard=self.shard)
         self.cfg = self.lm.cfg
-        self.moe = prefill_dispatch(moe_parallel, self.group, self.rank, self.world, self.cfg.n_routed_experts)
+        self.moe = prefill_dispatch(moe_parallel, self.comm, self.rank, self.world, self.cfg.n_routed_experts)
         layers = layer_owner_ranges(self.cfg.num_layers, self.world)[self.rank] if layer_split else None
         fmt = KVFormat.for_checkpoint(model_dir, self.cfg, kv_cache_dtype, self.dtype)
         self.pool = KVPool(self.cfg, num_rows, self.dtype, layers=layers, fmt=fmt)
