@@ -1,7 +1,10 @@
 """The prefill CP engine: the scheduler in the driver process, the model on C rank processes.
 
-The driver holds no weights: it loads the config, owns the page allocator (every rank keeps
-the same rows, so one numbering serves all) and sends each step plan to the group.
+The driver holds no weights: it loads the config, owns the page allocator and sends each step
+plan to the group. With the all-gather CP attention every rank keeps the same rows, so one
+page of ``page_size`` slots numbers them all; with the ring (engine/parallel/ring.py) slots are
+numbered as DCP numbers them — a page spans ``page_size · C`` slots, slot s on rank s mod C —
+and each rank's pool has 1/C of the rows.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from engine.model.loader import resolve_dtype
 from engine.model.tiny import resolve_model_dir
 from engine.parallel.expert import check_moe_parallel
 from engine.parallel.group import WorkerGroup
-from engine.parallel.prefill_cp import CPRunner
+from engine.parallel.prefill_cp import CPRunner, check_cp_attention
 from engine.model.sampler import SamplingParams
 from engine.scheduler import Engine, Scheduler, Sequence
 from engine.cache.content_key import key_seed
@@ -66,7 +69,8 @@ class CPPrefillEngine(Engine):
                  dtype: str = "auto", chunk_size: int = 4096, page_size: int = 16, max_cache_tokens: int = 1 << 16,
                  threads_per_rank: int = 1, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False,
                  kv_transport: str | None = None, kv_host: str = "127.0.0.1", overlap: bool = False,
-                 generation_config: str = "auto", moe_parallel: str = "ep", kv_cache_dtype: str = "auto"):
+                 generation_config: str = "auto", moe_parallel: str = "ep", kv_cache_dtype: str = "auto",
+                 cp_attention: str = "allgather"):
         if cp < 1:
             raise ValueError(f"cp: must be >= 1, got {cp}")
         if strategy not in STRATEGIES:
@@ -77,15 +81,21 @@ class CPPrefillEngine(Engine):
         self.cfg = ModelConfig.from_dir(self.model_dir, generation_config)
         dtype = resolve_dtype(dtype, self.cfg)
         self.cp, self.strategy, self.layer_split = cp, strategy, layer_split
-        num_pages = pages_needed(max_cache_tokens, page_size, 1)
+        self.cp_attention = check_cp_attention(cp_attention, strategy, layer_split)
+        self.sharded = cp_attention == "ring" and cp > 1
+        shards = cp if self.sharded else 1  # the slot numbering's group size
+        num_pages = pages_needed(max_cache_tokens, page_size, shards)
         self.kv_format = KVFormat.for_checkpoint(self.model_dir, self.cfg, kv_cache_dtype, dtype)
         self.group = WorkerGroup(cp, "engine.parallel.prefill_cp:PrefillRank",
                                  (str(self.model_dir), dtype, strategy, layer_split, num_pages * page_size,
-                                  kv_transport, kv_host, check_moe_parallel(moe_parallel), self.kv_format.kind),
+                                  kv_transport, kv_host, check_moe_parallel(moe_parallel), self.kv_format.kind,
+                                  cp_attention),
                                  threads_per_rank=threads_per_rank, name="prefill")
         self.group.ready()
         self.fingerprint = layout_fingerprint(self.cfg, dtype, self.kv_format)
-        super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, 1, record_logits, prefix_cache,
+        logger.info("prefill CP: %d ranks, %s attention, %s layout%s", cp, cp_attention,
+                    "striped" if self.sharded else strategy, ", layer split" if layer_split else "")
+        super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, shards, record_logits, prefix_cache,
                                    key_seed(self.fingerprint)),
                          CPRunner(self.group, trace))
         self.dtype = dtype
@@ -174,7 +184,8 @@ class CPPrefillEngine(Engine):
         return writes_by_rank(plan_transfer(
             num_tokens=n, prefill_cp=self.cp, layer_split=self.layer_split, num_layers=self.cfg.num_layers,
             indexer_layers=list(self.cfg.indexer_layer_ids), src_slots=src_slots, decode_dcp=dest.dcp,
-            dst_slots=list(dest.slots[:n]), decode_index=dest.index_mode, decode_prefix=dest.prefix))
+            dst_slots=list(dest.slots[:n]), decode_index=dest.index_mode, decode_prefix=dest.prefix,
+            sharded=self.sharded))
 
     def _arm(self, plan) -> dict:
         """Layer-wise overlap: before the forward that completes a prompt, clear the write with

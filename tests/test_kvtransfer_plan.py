@@ -186,3 +186,42 @@ def test_contiguous_pages_give_one_run_per_destination():
     index = [w for w in writes if w.kind == "index"]
     assert [(w.src_rank, w.layers) for w in index[::dcp]] == [(0, range(0, 2)), (1, range(4, 5))]
     assert {w.num_rows for w in index} == {n}
+
+
+@pytest.mark.parametrize("cp,dcp,prefix", [(2, 2, 0), (2, 2, 7), (3, 4, 0), (3, 4, 5), (4, 2, 3)])
+def test_sharded_prefill_sends_each_row_once_from_the_rank_that_holds_it(cp, dcp, prefix):
+    """The ring's cache: token p on prefill rank slot % Cp at row slot // Cp, every layer; each
+    row leaves that rank once, to decode rank dst % Cd; with Cp == Cd rank r writes to rank r."""
+    n, layers, indexer = 45, 3, [1, 2]
+    src = token_slots([3, 0, 5], n, 16, cp)  # pages out of order, as an allocator hands them out
+    dst = token_slots([2, 6, 1], n, 16, dcp)
+    for mode in ("copied", "split"):
+        writes = plan_transfer(num_tokens=n, prefill_cp=cp, layer_split=False, num_layers=layers,
+                               indexer_layers=indexer, src_slots=src, decode_dcp=dcp, dst_slots=dst,
+                               decode_index=mode, decode_prefix=prefix, sharded=True)
+        latent = Counter()
+        index = Counter()
+        for w in writes:
+            for src_row, dst_row in zip(w.src_rows, w.dst_rows):
+                for layer in w.layers:
+                    (latent if w.kind == "latent" else index)[(w.src_rank, src_row, w.dst_rank, dst_row, layer)] += 1
+        want = Counter()
+        for p in range(prefix, n):
+            s, d = int(src[p]), int(dst[p])
+            for layer in range(layers):
+                want[(s % cp, s // cp, d % dcp, d // dcp, layer)] += 1
+        assert latent == want
+        if cp == dcp:
+            assert all(w.src_rank == w.dst_rank for w in writes if w.kind == "latent")
+        want_index = Counter()
+        for p in range(prefix, n):
+            s, d = int(src[p]), int(dst[p])
+            targets = [(d % dcp, d // dcp)] if mode == "split" else [(r, d) for r in range(dcp)]
+            for rank, row in targets:
+                for layer in indexer:
+                    want_index[(s % cp, s // cp, rank, row, layer)] += 1
+        assert index == want_index
+        assert plan_bytes(writes, 10, 0) == (n - prefix) * layers * 10  # latent: rows × bytes per row
+    with pytest.raises(ValueError, match="layer_split"):
+        plan_transfer(num_tokens=n, prefill_cp=cp, layer_split=True, num_layers=layers, indexer_layers=[],
+                      src_slots=src, decode_dcp=dcp, dst_slots=dst, decode_index="copied", sharded=True)

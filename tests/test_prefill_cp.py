@@ -100,6 +100,72 @@ def test_cp_prefill_matches_reference(reference, cp, strategy, layer_split):
         assert eng.allocator.num_free == eng.allocator.num_pages
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cp", [2, 3])
+def test_ring_prefill_matches_reference(reference, cp):
+    """--cp-attention ring (pass-KV, striped by position, every row on one rank only): the
+    reference's tokens, logits, cache entries and DSA selections, in one batch and chunked (each
+    later chunk reads a cached prefix spread over the ranks)."""
+    ref, ref_seqs, ref_pages, ref_trace = reference
+    with CPPrefillEngine("tiny", cp=cp, cp_attention="ring", record_logits=True, trace=True) as eng:
+        seqs, pages = run_capturing_pages(eng, prompts())
+        for a, b in zip(seqs, ref_seqs):
+            assert a.output_ids == b.output_ids
+            assert float((a.logits[0] - b.logits[0]).abs().max() / b.logits[0].abs().max()) < 1e-5
+        for s, rs in zip(seqs, ref_seqs):
+            n = len(s.prompt_ids)
+            slots = token_slots(pages[s.id], n, eng.scheduler.page_size, cp)  # the DCP numbering
+            ref_slots = token_slots(ref_pages[rs.id], n, ref.scheduler.page_size, 1)
+            holders = torch.zeros(n, dtype=torch.long)
+            for r in range(cp):
+                dump = eng.group.call_rank(r, "dump", slots)
+                held = dump["held"]  # positions this rank holds: p mod C == r, no other
+                assert torch.equal(held, torch.arange(r, max(r, n), cp))
+                holders[held] += 1
+                if not held.numel():
+                    continue
+                for layer, rows in dump["latent"].items():
+                    assert close(rows, ref.pool.latent(layer)[ref_slots[held]]), (r, layer)
+                for layer, rows in dump["index"].items():
+                    assert close(rows, ref.pool.index(layer)[ref_slots[held]]), (r, layer)
+            assert torch.all(holders == 1)
+        for r, trace in enumerate(eng.group.call("last_trace")):
+            for layer, per_req in trace.items():
+                for i, (q_pos, mask) in enumerate(per_req):
+                    assert torch.equal(mask, ref_trace[layer][i][1][q_pos]), (r, layer, i)
+        stats = eng.group.call("stats")
+        assert all(st["ring_steps"] > 0 and st["ring_bytes"] > 0 and st["gathered_bytes"] == 0 for st in stats)
+        eng.scheduler.chunk_size = 17
+        chunked = eng.generate(prompts(), FIRST)
+        assert [s.output_ids for s in chunked] == [s.output_ids for s in ref_seqs]
+        for a, b in zip(chunked, ref_seqs):
+            assert float((a.logits[0] - b.logits[0]).abs().max() / b.logits[0].abs().max()) < 1e-5
+        assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+@pytest.mark.timeout(120)
+def test_ring_serves_a_prompt_one_ranks_pool_cannot_hold():
+    """Equal pools per rank (128 rows): the all-gather design keeps every row on every rank and
+    refuses a 200-token prompt; the ring keeps 1/2 per rank and serves it exactly, each rank
+    holding ⌈N/C⌉ rows (within a page) of every layer — counted from its pool's resident memory."""
+    prompt = prompts([200], seed=4)[0]
+    ref = ReferenceEngine("tiny", record_logits=True).generate([prompt], FIRST)[0]
+    with CPPrefillEngine("tiny", cp=2, max_cache_tokens=128) as eng:
+        with pytest.raises(ValueError, match="cache holds 128"):
+            eng.generate([prompt], FIRST)
+        allgather_rows = eng.group.call("cache_bytes")[0]["rows"]
+    with CPPrefillEngine("tiny", cp=2, cp_attention="ring", max_cache_tokens=256, record_logits=True) as eng:
+        caches = eng.group.call("cache_bytes")
+        assert [c["rows"] for c in caches] == [allgather_rows] * 2
+        seq = eng.generate([prompt], FIRST)[0]
+        assert seq.output_ids == ref.output_ids
+        assert float((seq.logits[0] - ref.logits[0]).abs().max() / ref.logits[0].abs().max()) < 1e-5
+        cfg, page = eng.cfg, eng.scheduler.page_size
+        row_bytes = cfg.num_layers * cfg.latent_dim * 4 + len(cfg.indexer_layer_ids) * cfg.index_head_dim * 4
+        for c in eng.group.call("cache_bytes"):  # the pages the prompt's rows were written to
+            assert 0 < c["resident"] <= (-(-200 // 2) + page) * row_bytes + 2 * 4096 * cfg.num_layers
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

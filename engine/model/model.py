@@ -23,6 +23,7 @@ from torch import nn
 from engine.model.attention import (
     SPARSE_MIN_KEYS_PER_SELECTED,
     extend_attention,
+    merge_partials,
     sparse_extend_attention,
     topk_mask,
 )
@@ -183,6 +184,12 @@ class Indexer(nn.Module):
         return torch.bmm(w.unsqueeze(1), s).squeeze(1)
 
 
+def _query_chunks(req):
+    """(own-token indices, positions) of a request's queries, ``EXTEND_QUERY_CHUNK`` at a time."""
+    for c0 in range(0, req.q_index.numel(), EXTEND_QUERY_CHUNK):
+        yield req.q_index[c0 : c0 + EXTEND_QUERY_CHUNK], req.q_pos[c0 : c0 + EXTEND_QUERY_CHUNK]
+
+
 class Attention(nn.Module):
     """Multi-head latent attention (MLA), optionally with a DSA indexer.
 
@@ -264,46 +271,90 @@ class Attention(nn.Module):
     def _selection_mode(self) -> str:
         return {"full": "own", "shared": "reuse"}.get(self.indexer_type, "dense")
 
+    def _expand(self, latent: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [n, H, dn + dr] and values [n, H, dv] of latent rows (extend attention's form)."""
+        cfg = self.cfg
+        kv = self.kv_b_proj(latent[:, : cfg.kv_lora_rank]).view(latent.shape[0], heads, -1)
+        k = torch.cat(
+            [kv[..., : cfg.qk_nope_head_dim], latent[:, None, cfg.kv_lora_rank :].expand(-1, heads, -1)], dim=-1
+        )
+        return k, kv[..., cfg.qk_nope_head_dim :]
+
+    def _select(self, batch, i: int, req, iq, iw, prev_sel, mode: str) -> list[torch.Tensor]:
+        """Request ``i``'s DSA selection, one mask [chunk, hi] per query chunk (hi: the keys up to
+        the chunk's last query), over the request's whole history."""
+        cfg = self.cfg
+        keys_idx = batch.kv.index_keys(self.layer, i) if mode == "own" else None
+        masks = []
+        for qi, qp in _query_chunks(req):
+            hi = int(qp.max()) + 1  # keys past the chunk's last query are never visible to it
+            if mode == "own":
+                mask = torch.arange(hi)[None, :] <= qp[:, None]
+                mask = topk_mask(self.indexer.scores(iq[qi], iw[qi], keys_idx[:hi]), cfg.index_topk, mask)
+            else:
+                mask = prev_sel[i][len(masks)]
+            masks.append(mask)
+        return masks
+
     def _extend(self, batch, q_nope, q_rope, iq, iw, prev_sel):
-        """Prefill: each request's own queries read its whole causal history from the cache."""
+        """Prefill: each request's own queries read its whole causal history from the cache —
+        in one piece, or (``batch.kv.key_blocks``: the ring) block by block, partials merged
+        by their log-sum-exp."""
         cfg = self.cfg
         heads = q_nope.shape[1]
         out = q_nope.new_empty(q_nope.shape[0], heads, cfg.v_head_dim)
         mode = self._selection_mode()
-        sels = []
-        for i, req in enumerate(batch.requests):
-            latent = batch.kv.latent(self.layer, i)
-            kv = self.kv_b_proj(latent[:, : cfg.kv_lora_rank]).view(latent.shape[0], heads, -1)
-            k = torch.cat(
-                [kv[..., : cfg.qk_nope_head_dim], latent[:, None, cfg.kv_lora_rank :].expand(-1, heads, -1)], dim=-1
-            )
-            v = kv[..., cfg.qk_nope_head_dim :]
-            keys_idx = batch.kv.index_keys(self.layer, i) if mode == "own" else None
-            req_sel = []
-            key_pos = torch.arange(latent.shape[0])
-            for c0 in range(0, req.q_index.numel(), EXTEND_QUERY_CHUNK):
-                qi = req.q_index[c0 : c0 + EXTEND_QUERY_CHUNK]
-                qp = req.q_pos[c0 : c0 + EXTEND_QUERY_CHUNK]
-                hi = int(qp.max()) + 1  # keys past the chunk's last query are never visible to it
-                mask = key_pos[None, :hi] <= qp[:, None]
-                if mode == "own":
-                    scores = self.indexer.scores(iq[qi], iw[qi], keys_idx[:hi])
-                    mask = topk_mask(scores, cfg.index_topk, mask)
-                elif mode == "reuse":
-                    mask = prev_sel[i][len(req_sel)]
-                req_sel.append(mask)
-                q = torch.cat([q_nope[qi], q_rope[qi]], dim=-1)
-                if mode != "dense" and hi >= SPARSE_MIN_KEYS_PER_SELECTED * cfg.index_topk:
-                    out[qi] = sparse_extend_attention(q, k[:hi], v[:hi], mask, self.scale, cfg.index_topk)
-                else:
-                    out[qi] = extend_attention(q, k[:hi], v[:hi], mask, self.scale)[0]
-            sels.append(req_sel)
+        sels = ([self._select(batch, i, req, iq, iw, prev_sel, mode) for i, req in enumerate(batch.requests)]
+                if mode != "dense" else None)
+        blocks = getattr(batch.kv, "key_blocks", None)
+        if blocks is None:
+            for i, req in enumerate(batch.requests):
+                k, v = self._expand(batch.kv.latent(self.layer, i), heads)
+                for n, (qi, qp) in enumerate(_query_chunks(req)):
+                    hi = int(qp.max()) + 1
+                    mask = sels[i][n] if sels is not None else torch.arange(hi)[None, :] <= qp[:, None]
+                    q = torch.cat([q_nope[qi], q_rope[qi]], dim=-1)
+                    if mode != "dense" and hi >= SPARSE_MIN_KEYS_PER_SELECTED * cfg.index_topk:
+                        out[qi] = sparse_extend_attention(q, k[:hi], v[:hi], mask, self.scale, cfg.index_topk)
+                    else:
+                        out[qi] = extend_attention(q, k[:hi], v[:hi], mask, self.scale)[0]
+        else:
+            self._extend_blocks(batch, blocks(self.layer), q_nope, q_rope, sels, out)
         if batch.trace is not None and mode != "dense":
             batch.trace[self.layer] = [
                 (req.q_pos, torch.cat([F.pad(m, (0, req.kv_len - m.shape[1])) for m in s]) if s
                  else torch.zeros(0, req.kv_len, dtype=torch.bool))
                 for req, s in zip(batch.requests, sels)]
-        return out, (sels if mode != "dense" else None)
+        return out, sels
+
+    def _extend_blocks(self, batch, blocks, q_nope, q_rope, sels, out) -> None:
+        """Attention over key blocks: each block gives, per request, some of its history's rows
+        and their positions (ascending); each query's partial over a block merges into its
+        running output with the exact LSE merge (engine/model/attention.py)."""
+        cfg = self.cfg
+        heads = q_nope.shape[1]
+        lse = torch.full((out.shape[0], heads), float("-inf"))
+        out.zero_()
+        for block in blocks:
+            for i, req in enumerate(batch.requests):
+                latent, kpos = block.rows(i)
+                if kpos.numel() == 0:
+                    continue
+                k, v = self._expand(latent, heads)
+                for n, (qi, qp) in enumerate(_query_chunks(req)):
+                    m = int(torch.searchsorted(kpos, int(qp.max()), right=True))  # keys visible to the chunk
+                    if m == 0:
+                        continue
+                    kp = kpos[:m]
+                    mask = sels[i][n][:, kp] if sels is not None else kp[None, :] <= qp[:, None]
+                    q = torch.cat([q_nope[qi], q_rope[qi]], dim=-1)
+                    if sels is not None and m >= SPARSE_MIN_KEYS_PER_SELECTED * cfg.index_topk:
+                        part, part_lse = sparse_extend_attention(q, k[:m], v[:m], mask, self.scale, cfg.index_topk,
+                                                                 return_lse=True)
+                    else:
+                        part, part_lse = extend_attention(q, k[:m], v[:m], mask, self.scale, return_lse=True)
+                    merged, lse[qi] = merge_partials(torch.stack([out[qi], part]), torch.stack([lse[qi], part_lse]))
+                    out[qi] = merged
 
     def _decode(self, batch, q_nope, q_rope, iq, iw, prev_sel):
         """One new token per request: absorbed MLA over the latent rows (sparse if DSA).

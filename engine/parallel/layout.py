@@ -17,6 +17,12 @@ Strategies:
   pairs a cheap early block with an expensive late one.
 - ``contiguous``: each request's new tokens are cut into C consecutive pieces (same remainder
   rule). Unbalanced; kept only as the benchmark baseline.
+- ``striped``: the token at *position* ``p`` goes to rank ``p mod C``, per request, cached prefix
+  and later chunks included — the ring's interleave (engine/parallel/ring.py), under which the
+  rank that computes a token is the rank that stores it, and the one DCP wants it on. Each
+  request's new tokens split within one token per rank; over a batch the ranks that get a
+  request's extra token depend on where its prefix ends, so the spread is at most one token
+  per request (in practice less: the starts differ).
 
 The three questions, for a CP attention layer:
 
@@ -33,8 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-Strategy = Literal["interleave", "zigzag", "contiguous"]
-STRATEGIES: tuple[str, ...] = ("interleave", "zigzag", "contiguous")
+Strategy = Literal["interleave", "zigzag", "contiguous", "striped"]
+STRATEGIES: tuple[str, ...] = ("interleave", "zigzag", "contiguous", "striped")
 
 
 @dataclass(frozen=True)
@@ -135,7 +141,7 @@ def split_batch(
     """
     new, cached = _validate(new_lengths, cached_lengths, cp, strategy)
     owned: list[list[int]] = [[] for _ in range(cp)]
-    for token, owner in enumerate(_owners(new, cp, strategy)):
+    for token, owner in enumerate(_owners(new, cached, cp, strategy)):
         owned[owner].append(token)
     request_of, position_of = _token_coordinates(new, cached)
     ranks = tuple(_rank_layout(r, tuple(owned[r]), request_of, position_of) for r in range(cp))
@@ -175,10 +181,12 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _owners(new: tuple[int, ...], cp: int, strategy: str) -> list[int]:
+def _owners(new: tuple[int, ...], cached: tuple[int, ...], cp: int, strategy: str) -> list[int]:
     """Owner rank of every flattened new token."""
     if strategy == "interleave":
         return [i % cp for i in range(sum(new))]
+    if strategy == "striped":
+        return [p % cp for n, c in zip(new, cached) for p in range(c, c + n)]
     owners: list[int] = []
     for n in new:
         owners.extend(_request_owners(n, cp, strategy))

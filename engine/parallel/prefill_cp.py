@@ -22,6 +22,10 @@ own entries once, so an FP8 cache gathers bytes, not the compute dtype); with la
 a broadcast of the batch's cached-prefix rows of that layer from its owner.
 Cost: the all-gather moves (C−1)/C of T × entry bytes into each rank; attention and indexer
 work per rank is that of its own queries (balanced by the layout).
+
+That is the ``allgather`` CP attention, the default. ``cp_attention="ring"`` swaps the
+per-forward cache access for engine/parallel/ring.py's (a sharded cache, blocks passed round
+the ring); everything else here — the layout, the experts, the hand-off, the logits — serves both.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from engine.cache.kvformat import KVFormat
-from engine.cache.pool import KVPool, zeroed
+from engine.cache.pool import KVPool, resident_bytes, zeroed
 from engine.faults import faults
 from engine.handoff import kv_backend
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
 from engine.parallel.expert import prefill_dispatch
 from engine.parallel.layout import layer_owner, layer_owner_ranges, split_batch
+from engine.parallel.ring import RingKV
 from engine.parallel.shard import WeightShard, weights_held
 from engine.plan import StepPlan
 from engine.runner import batch_inputs, merge_scores, score_request, split_scores
@@ -142,14 +147,36 @@ class CPKV:
     decode_attention = decode_select
 
 
+CP_ATTENTION = ("allgather", "ring")
+RING_STATS = ("ring_steps", "ring_hidden_steps", "ring_attend_s", "ring_exposed_s", "ring_bytes", "ring_index_bytes")
+
+
+def check_cp_attention(cp_attention: str, strategy: str, layer_split: bool) -> str:
+    """The CP attention mechanism, checked against the layout it is asked to run with."""
+    if cp_attention not in CP_ATTENTION:
+        raise ValueError(f"cp_attention: {cp_attention!r} is not one of {', '.join(CP_ATTENTION)}")
+    if cp_attention == "ring" and layer_split:
+        raise ValueError("layer_split: the ring already keeps 1/C of every layer per rank; "
+                         "layer split is for --cp-attention allgather")
+    if cp_attention == "ring" and strategy != "interleave":
+        raise ValueError(f"strategy: {strategy!r} under --cp-attention ring is not built yet; "
+                         "the ring runs the interleave (striped by position) layout")
+    return cp_attention
+
+
 class PrefillRank:
     """Worker of one prefill CP rank (constructed in the rank process by WorkerGroup)."""
 
     def __init__(self, ctx, model_dir: str, dtype: str, strategy: str, layer_split: bool, num_rows: int,
                  kv_transport: str | None = None, kv_host: str = "127.0.0.1", moe_parallel: str = "ep",
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", cp_attention: str = "allgather"):
+        check_cp_attention(cp_attention, strategy, layer_split)
         if layer_split and strategy != "interleave":
             raise ValueError("layer_split: supported with the interleave strategy only")
+        self.cp_attention = cp_attention
+        # ring: rows sharded by the DCP numbering, each rank computing the tokens it stores
+        self.token_layout = "striped" if cp_attention == "ring" else strategy
+        self.ring_stats = dict.fromkeys(RING_STATS, 0)
         self.rank, self.world, self.comm = ctx.rank, ctx.world_size, ctx.comm
         self.strategy, self.dtype = strategy, parse_dtype(dtype)
         self.shard = WeightShard(self.rank, self.world, tp=False, moe_parallel=moe_parallel)
@@ -193,7 +220,7 @@ class PrefillRank:
         t0 = time.perf_counter()
         ids, pos, new_slots, counts, kv_lens = batch_inputs(plan)
         starts = [it.start for it in plan.items]
-        layout = split_batch(counts, starts, self.world, self.strategy)
+        layout = split_batch(counts, starts, self.world, self.token_layout)
         mine = layout.ranks[self.rank]
         own = torch.tensor(mine.token_indices, dtype=torch.long)
         req_of = torch.tensor(mine.request_ids, dtype=torch.long)
@@ -208,8 +235,12 @@ class PrefillRank:
             if it.wants_logits and hit.numel():
                 logit_local.append(int(hit[0, 0]))
                 logit_req.append(it.req_id)
-        prefix = [it.slots[: it.start] for it in plan.items]
-        kv = CPKV(self, layout, torch.cat(new_slots), [it.slots for it in plan.items], torch.cat(prefix))
+        req_slots = [it.slots[: it.end] for it in plan.items]
+        if self.cp_attention == "ring":
+            kv = RingKV(self, req_slots, torch.cat(new_slots)[own])
+        else:
+            prefix = [it.slots[: it.start] for it in plan.items]
+            kv = CPKV(self, layout, torch.cat(new_slots), req_slots, torch.cat(prefix))
         self.trace = {} if trace else None
         futures: dict[int, list] = {}
         if armed:
@@ -238,19 +269,30 @@ class PrefillRank:
 
     # ---- inspection (call_rank: no collectives) -----------------------------------------
     def dump(self, slots: torch.Tensor) -> dict:
-        """Cache rows at `slots` of every persistent layer: {"latent": {layer: rows}, "index": {...}}."""
+        """Cache rows at `slots` of every persistent layer: {"latent": {layer: rows}, "index": {...}};
+        ring: of the slots this rank holds ({"held": their indices in ``slots``} too)."""
+        held = None
+        if self.cp_attention == "ring":
+            held = (slots % self.world == self.rank).nonzero().squeeze(1)
+            slots = torch.div(slots[held], self.world, rounding_mode="floor")
         return {"latent": {l: self.pool.latent(l)[slots].clone() for l in self.pool.layers},
-                "index": {l: self.pool.index(l)[slots].clone() for l in self.pool.index_layers}}
+                "index": {l: self.pool.index(l)[slots].clone() for l in self.pool.index_layers}, "held": held}
 
     def last_trace(self) -> dict | None:
         return self.trace
 
     def cache_bytes(self) -> dict:
+        """Capacity (``persistent``, ``scratch``: bytes reserved; ``rows``: rows per layer) and
+        ``resident``: the pool's bytes in memory now (written rows, by whole OS pages)."""
+        resident = resident_bytes(self.pool.latent_pool) + (
+            resident_bytes(self.pool.index_pool) if self.pool.index_layers else 0)
         return {"persistent": self.pool.nbytes, "scratch": self.scratch.nbytes if self.scratch else 0,
-                "layers": list(self.pool.layers), "bytes_per_layer": self.pool.nbytes // max(len(self.pool.layers), 1)}
+                "layers": list(self.pool.layers), "bytes_per_layer": self.pool.nbytes // max(len(self.pool.layers), 1),
+                "rows": self.pool.num_rows, "resident": resident}
 
     def stats(self) -> dict:
-        return {"gathered_bytes": self.gathered_bytes, "expert_bytes": getattr(self.moe, "bytes_sent", 0)}
+        return {"gathered_bytes": self.gathered_bytes, "expert_bytes": getattr(self.moe, "bytes_sent", 0),
+                **self.ring_stats}
 
     def weights(self) -> dict:
         return weights_held(self.lm, self.shard)

@@ -9,7 +9,9 @@ Addressing (the facts the plan relies on):
 - Prefill. Token ``p`` of the request sits at row ``src_slots[p]`` of a prefill rank's pool
   ``[layer, row, latent_dim]`` (the prefill scheduler's slot; page size 1 on prefill). Without
   layer split every prefill rank holds every layer of every row; with layer split rank ``r``
-  holds only ``layer_owner_ranges(L, Cp)[r]``.
+  holds only ``layer_owner_ranges(L, Cp)[r]``. A *sharded* prefill (the ring,
+  engine/parallel/ring.py) numbers slots as DCP does: token ``p`` lives on prefill rank
+  ``src_slots[p] % Cp`` only, at row ``src_slots[p] // Cp``, every layer of it.
 - Decode. Token ``p`` has group slot ``s = dst_slots[p]``; its latent entries live on decode rank
   ``s % Cd`` at row ``s // Cd`` (``engine/cache/slots.py``). Index keys (DSA indexer layers
   only): with a ``copied`` index every decode rank keeps every token's key at index row ``s``
@@ -21,6 +23,9 @@ and spreading the layers the same way makes all ``Cp`` ranks send at once, each 
 of the bytes. With full copies and fewer layers than ranks (``L < Cp``, only tiny test models),
 each layer is given a group of ranks instead (``piece_sizes(Cp, L)`` ranks, in order) which
 split the layer's tokens into contiguous pieces, so every rank still sends.
+
+Sharded, each rank sends its own rows, all layers: every row leaves its rank once, and when
+both groups stripe by position with ``Cp == Cd`` it goes from rank ``r`` to rank ``r``.
 
 Tokens ``[0, decode_prefix)`` are already on decode (prefix hit) and are never sent.
 
@@ -92,6 +97,7 @@ def plan_transfer(
     dst_slots: Sequence[int] | torch.Tensor,
     decode_index: str,
     decode_prefix: int = 0,
+    sharded: bool = False,
 ) -> list[Write]:
     """The writes that move tokens ``[decode_prefix, num_tokens)`` of one request.
 
@@ -109,6 +115,8 @@ def plan_transfer(
             f"decode_prefix must be in [0, num_tokens={num_tokens}], got {decode_prefix}")
     if decode_index not in DECODE_INDEX_MODES:
         raise ValueError(f"decode_index must be one of {DECODE_INDEX_MODES}, got {decode_index!r}")
+    if sharded and layer_split:
+        raise ValueError("layer_split: a sharded (ring) prefill keeps every layer of its own rows")
     indexer = _indexer_set(indexer_layers, num_layers)
     src = _slots("src_slots", src_slots, num_tokens)
     dst = _slots("dst_slots", dst_slots, num_tokens)
@@ -117,10 +125,14 @@ def plan_transfer(
 
     src, dst = src[decode_prefix:], dst[decode_prefix:]
     writes: list[Write] = []
-    for rank, layers, piece, pieces in _senders(num_layers, prefill_cp, layer_split):
-        start = sum(piece_sizes(dst.numel(), pieces)[:piece])
-        stop = start + piece_sizes(dst.numel(), pieces)[piece]
-        piece_src, piece_dst = src[start:stop], dst[start:stop]
+    for rank, layers, piece, pieces in _senders(num_layers, prefill_cp, layer_split, sharded):
+        if sharded:  # the rank's own tokens, at their rows on it
+            held = src % prefill_cp == rank
+            piece_src, piece_dst = src[held] // prefill_cp, dst[held]
+        else:
+            start = sum(piece_sizes(dst.numel(), pieces)[:piece])
+            stop = start + piece_sizes(dst.numel(), pieces)[piece]
+            piece_src, piece_dst = src[start:stop], dst[start:stop]
         if piece_dst.numel() == 0:
             continue
         latent_runs = _runs(piece_src, piece_dst % decode_dcp, piece_dst // decode_dcp)
@@ -160,9 +172,12 @@ def plan_bytes(writes: Sequence[Write], latent_bytes_per_row_per_layer: int,
 _Run = tuple[int, int, tuple[int, ...]]  # (dst_rank, dst_row_start, src_rows)
 
 
-def _senders(num_layers: int, cp: int, layer_split: bool) -> list[tuple[int, range, int, int]]:
+def _senders(num_layers: int, cp: int, layer_split: bool, sharded: bool = False) -> list[tuple[int, range, int, int]]:
     """(rank, layers, piece, pieces): ``rank`` sends token piece ``piece`` of ``pieces`` of
-    ``layers``. Pieces are contiguous splits of the sent tokens (``piece_sizes``)."""
+    ``layers``. Pieces are contiguous splits of the sent tokens (``piece_sizes``); sharded,
+    every rank sends every layer of the tokens it holds (piece and pieces unused)."""
+    if sharded:
+        return [(r, range(num_layers), 0, 1) for r in range(cp)] if num_layers else []
     if layer_split or num_layers >= cp:
         return [(r, layers, 0, 1) for r, layers in enumerate(layer_owner_ranges(num_layers, cp))
                 if len(layers)]
