@@ -16,14 +16,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import torch
+
 from engine.cache.kvformat import KVFormat
 from engine.cache.slots import pages_needed
 from engine.model.config import ModelConfig
-from engine.model.loader import resolve_dtype
+from engine.model.loader import parse_dtype, resolve_dtype
 from engine.model.tiny import resolve_model_dir
 from engine.parallel.expert import check_moe_parallel
 from engine.parallel.group import WorkerGroup
 from engine.parallel.prefill_cp import CPRunner, check_cp_attention
+from engine.parallel.ring import RingCosts, check_ring_mode, ring_estimates
 from engine.model.sampler import SamplingParams
 from engine.scheduler import Engine, Scheduler, Sequence
 from engine.cache.content_key import key_seed
@@ -70,7 +73,7 @@ class CPPrefillEngine(Engine):
                  threads_per_rank: int = 1, record_logits: bool = False, trace: bool = False, prefix_cache: bool = False,
                  kv_transport: str | None = None, kv_host: str = "127.0.0.1", overlap: bool = False,
                  generation_config: str = "auto", moe_parallel: str = "ep", kv_cache_dtype: str = "auto",
-                 cp_attention: str = "allgather"):
+                 cp_attention: str = "allgather", cp_ring_mode: str = "auto"):
         if cp < 1:
             raise ValueError(f"cp: must be >= 1, got {cp}")
         if strategy not in STRATEGIES:
@@ -83,6 +86,7 @@ class CPPrefillEngine(Engine):
         self.cp, self.strategy, self.layer_split = cp, strategy, layer_split
         self.cp_attention = check_cp_attention(cp_attention, strategy, layer_split)
         self.sharded = cp_attention == "ring" and cp > 1
+        self.cp_ring_mode = check_ring_mode(cp_ring_mode)
         shards = cp if self.sharded else 1  # the slot numbering's group size
         num_pages = pages_needed(max_cache_tokens, page_size, shards)
         self.kv_format = KVFormat.for_checkpoint(self.model_dir, self.cfg, kv_cache_dtype, dtype)
@@ -97,12 +101,39 @@ class CPPrefillEngine(Engine):
                     "striped" if self.sharded else strategy, ", layer split" if layer_split else "")
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, shards, record_logits, prefix_cache,
                                    key_seed(self.fingerprint)),
-                         CPRunner(self.group, trace))
+                         CPRunner(self.group, trace, self._ring_mode if self.sharded else None))
         self.dtype = dtype
+        self.ring_costs = self._ring_costs() if self.sharded and self.cp_ring_mode == "auto" else None
         self.pending: list[PendingPrefill] = []
         self.overlap = overlap
         if overlap:
             self.runner.arm = self._arm
+
+    def _ring_mode(self, plan) -> str:
+        """pass_kv or pass_q for this forward: as configured, or (auto) the selector's pick."""
+        if self.cp_ring_mode != "auto":
+            return self.cp_ring_mode
+        new = [len(it.token_ids) for it in plan.items]
+        cached = [it.start for it in plan.items]
+        est = ring_estimates(new, cached, self.cp, self.ring_costs)
+        mode = "pass_q" if est["pass_q"] < est["pass_kv"] else "pass_kv"
+        logger.debug("ring: %s for %d new over %d cached tokens (estimates per layer: pass_kv %.3g s, "
+                     "pass_q %.3g s)", mode, sum(new), sum(cached), est["pass_kv"], est["pass_q"])
+        return mode
+
+    def _ring_costs(self) -> RingCosts:
+        """The selector's byte counts (stored entry, travelling query and partial) and the slowest
+        rank's measured constants."""
+        cfg, fmt = self.cfg, self.kv_format
+        measured = self.group.call("calibrate")
+        worst = {k: max(m[k] for m in measured) for k in measured[0]}
+        itemsize = torch.empty(0, dtype=parse_dtype(self.dtype)).element_size()
+        picks = 8 * cfg.index_topk if cfg.has_indexer else 0
+        entry = fmt.entry_width * torch.empty(0, dtype=fmt.storage_dtype).element_size()
+        costs = RingCosts(entry_bytes=entry, query_bytes=cfg.num_heads * cfg.qk_head_dim * itemsize + picks,
+                          output_bytes=cfg.num_heads * (cfg.v_head_dim + 1) * 4, **worst)
+        logger.info("ring selector: %s", costs)
+        return costs
 
     # ---- the KV hand-off (prefill side) --------------------------------------------------
     def submit_prefill(self, prompt_ids: list[int], params: SamplingParams, dest: KvDestination,

@@ -101,13 +101,14 @@ def test_cp_prefill_matches_reference(reference, cp, strategy, layer_split):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("cp", [2, 3])
-def test_ring_prefill_matches_reference(reference, cp):
-    """--cp-attention ring (pass-KV, striped by position, every row on one rank only): the
-    reference's tokens, logits, cache entries and DSA selections, in one batch and chunked (each
-    later chunk reads a cached prefix spread over the ranks)."""
+@pytest.mark.parametrize("cp,mode", [(2, "pass_kv"), (2, "pass_q"), (3, "pass_kv"), (3, "pass_q")])
+def test_ring_prefill_matches_reference(reference, cp, mode):
+    """--cp-attention ring (striped by position, every row on one rank only), pass-KV and
+    pass-Q: the reference's tokens, logits, cache entries and DSA selections, in one batch and
+    chunked (each later chunk reads a cached prefix spread over the ranks)."""
     ref, ref_seqs, ref_pages, ref_trace = reference
-    with CPPrefillEngine("tiny", cp=cp, cp_attention="ring", record_logits=True, trace=True) as eng:
+    with CPPrefillEngine("tiny", cp=cp, cp_attention="ring", cp_ring_mode=mode, record_logits=True,
+                         trace=True) as eng:
         seqs, pages = run_capturing_pages(eng, prompts())
         for a, b in zip(seqs, ref_seqs):
             assert a.output_ids == b.output_ids
@@ -135,6 +136,7 @@ def test_ring_prefill_matches_reference(reference, cp):
                     assert torch.equal(mask, ref_trace[layer][i][1][q_pos]), (r, layer, i)
         stats = eng.group.call("stats")
         assert all(st["ring_steps"] > 0 and st["ring_bytes"] > 0 and st["gathered_bytes"] == 0 for st in stats)
+        assert set(eng.runner.modes) == {mode}
         eng.scheduler.chunk_size = 17
         chunked = eng.generate(prompts(), FIRST)
         assert [s.output_ids for s in chunked] == [s.output_ids for s in ref_seqs]
@@ -157,8 +159,10 @@ def test_ring_serves_a_prompt_one_ranks_pool_cannot_hold():
     with CPPrefillEngine("tiny", cp=2, cp_attention="ring", max_cache_tokens=256, record_logits=True) as eng:
         caches = eng.group.call("cache_bytes")
         assert [c["rows"] for c in caches] == [allgather_rows] * 2
+        assert eng.ring_costs is not None  # auto: the selector's constants were measured at start
         seq = eng.generate([prompt], FIRST)[0]
         assert seq.output_ids == ref.output_ids
+        assert sum(eng.runner.modes.values()) == 1  # one forward, one choice
         assert float((seq.logits[0] - ref.logits[0]).abs().max() / ref.logits[0].abs().max()) < 1e-5
         cfg, page = eng.cfg, eng.scheduler.page_size
         row_bytes = cfg.num_layers * cfg.latent_dim * 4 + len(cfg.indexer_layer_ids) * cfg.index_head_dim * 4

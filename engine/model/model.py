@@ -23,6 +23,7 @@ from torch import nn
 from engine.model.attention import (
     SPARSE_MIN_KEYS_PER_SELECTED,
     extend_attention,
+    mask_to_indices,
     merge_partials,
     sparse_extend_attention,
     topk_mask,
@@ -184,6 +185,14 @@ class Indexer(nn.Module):
         return torch.bmm(w.unsqueeze(1), s).squeeze(1)
 
 
+def _picked(picks: torch.Tensor, kp: torch.Tensor, hi: int) -> torch.Tensor:
+    """Mask [n, len(kp)]: which of positions ``kp`` (all < ``hi``) each query picked (``picks``
+    [n, K]: positions, −1 for none)."""
+    full = torch.zeros(picks.shape[0], hi + 1, dtype=torch.bool)
+    full.scatter_(1, torch.where(picks < 0, hi, picks), True)
+    return full[:, kp]
+
+
 def _query_chunks(req):
     """(own-token indices, positions) of a request's queries, ``EXTEND_QUERY_CHUNK`` at a time."""
     for c0 in range(0, req.q_index.numel(), EXTEND_QUERY_CHUNK):
@@ -298,16 +307,20 @@ class Attention(nn.Module):
 
     def _extend(self, batch, q_nope, q_rope, iq, iw, prev_sel):
         """Prefill: each request's own queries read its whole causal history from the cache —
-        in one piece, or (``batch.kv.key_blocks``: the ring) block by block, partials merged
-        by their log-sum-exp."""
+        in one piece, or under the ring (``batch.kv.ring_mode``) in pieces that meet by pass-KV
+        or pass-Q, partials merged by their log-sum-exp."""
         cfg = self.cfg
         heads = q_nope.shape[1]
         out = q_nope.new_empty(q_nope.shape[0], heads, cfg.v_head_dim)
         mode = self._selection_mode()
         sels = ([self._select(batch, i, req, iq, iw, prev_sel, mode) for i, req in enumerate(batch.requests)]
                 if mode != "dense" else None)
-        blocks = getattr(batch.kv, "key_blocks", None)
-        if blocks is None:
+        ring = getattr(batch.kv, "ring_mode", None)
+        if ring == "pass_kv":
+            self._extend_pass_kv(batch, q_nope, q_rope, sels, out)
+        elif ring == "pass_q":
+            self._extend_pass_q(batch, q_nope, q_rope, sels, out)
+        else:
             for i, req in enumerate(batch.requests):
                 k, v = self._expand(batch.kv.latent(self.layer, i), heads)
                 for n, (qi, qp) in enumerate(_query_chunks(req)):
@@ -318,8 +331,6 @@ class Attention(nn.Module):
                         out[qi] = sparse_extend_attention(q, k[:hi], v[:hi], mask, self.scale, cfg.index_topk)
                     else:
                         out[qi] = extend_attention(q, k[:hi], v[:hi], mask, self.scale)[0]
-        else:
-            self._extend_blocks(batch, blocks(self.layer), q_nope, q_rope, sels, out)
         if batch.trace is not None and mode != "dense":
             batch.trace[self.layer] = [
                 (req.q_pos, torch.cat([F.pad(m, (0, req.kv_len - m.shape[1])) for m in s]) if s
@@ -327,34 +338,74 @@ class Attention(nn.Module):
                 for req, s in zip(batch.requests, sels)]
         return out, sels
 
-    def _extend_blocks(self, batch, blocks, q_nope, q_rope, sels, out) -> None:
-        """Attention over key blocks: each block gives, per request, some of its history's rows
-        and their positions (ascending); each query's partial over a block merges into its
-        running output with the exact LSE merge (engine/model/attention.py)."""
-        cfg = self.cfg
+    def _partial(self, q, qp, k, v, kpos, mask_of) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Queries ``q`` at positions ``qp`` against keys ``k``/``v`` at positions ``kpos``
+        (ascending): (out, lse), or None when no key is visible to any of them. ``mask_of(kp)``:
+        the queries' mask over the visible keys' positions ``kp`` (None: causal)."""
+        m = int(torch.searchsorted(kpos, int(qp.max()), right=True))  # keys up to the last query
+        if m == 0:
+            return None
+        kp = kpos[:m]
+        mask = mask_of(kp) if mask_of is not None else kp[None, :] <= qp[:, None]
+        if mask_of is not None and m >= SPARSE_MIN_KEYS_PER_SELECTED * self.cfg.index_topk:
+            return sparse_extend_attention(q, k[:m], v[:m], mask, self.scale, self.cfg.index_topk, return_lse=True)
+        return extend_attention(q, k[:m], v[:m], mask, self.scale, return_lse=True)
+
+    def _extend_pass_kv(self, batch, q_nope, q_rope, sels, out) -> None:
+        """Pass-KV: key blocks arrive (``batch.kv.key_blocks``), each giving per request some of
+        its history's rows and their positions; each query's partial over a block merges into
+        its running output with the exact LSE merge (engine/model/attention.py)."""
         heads = q_nope.shape[1]
         lse = torch.full((out.shape[0], heads), float("-inf"))
         out.zero_()
-        for block in blocks:
+        for block in batch.kv.key_blocks(self.layer):
             for i, req in enumerate(batch.requests):
                 latent, kpos = block.rows(i)
                 if kpos.numel() == 0:
                     continue
                 k, v = self._expand(latent, heads)
                 for n, (qi, qp) in enumerate(_query_chunks(req)):
-                    m = int(torch.searchsorted(kpos, int(qp.max()), right=True))  # keys visible to the chunk
-                    if m == 0:
-                        continue
-                    kp = kpos[:m]
-                    mask = sels[i][n][:, kp] if sels is not None else kp[None, :] <= qp[:, None]
-                    q = torch.cat([q_nope[qi], q_rope[qi]], dim=-1)
-                    if sels is not None and m >= SPARSE_MIN_KEYS_PER_SELECTED * cfg.index_topk:
-                        part, part_lse = sparse_extend_attention(q, k[:m], v[:m], mask, self.scale, cfg.index_topk,
-                                                                 return_lse=True)
-                    else:
-                        part, part_lse = extend_attention(q, k[:m], v[:m], mask, self.scale, return_lse=True)
-                    merged, lse[qi] = merge_partials(torch.stack([out[qi], part]), torch.stack([lse[qi], part_lse]))
-                    out[qi] = merged
+                    mask_of = (lambda kp, m=sels[i][n]: m[:, kp]) if sels is not None else None
+                    got = self._partial(torch.cat([q_nope[qi], q_rope[qi]], dim=-1), qp, k, v, kpos, mask_of)
+                    if got is not None:
+                        merged, lse[qi] = merge_partials(torch.stack([out[qi], got[0]]), torch.stack([lse[qi], got[1]]))
+                        out[qi] = merged
+
+    def _extend_pass_q(self, batch, q_nope, q_rope, sels, out) -> None:
+        """Pass-Q: query blocks arrive (``batch.kv.query_blocks``) — each rank's queries with
+        their DSA picks (selected positions) — and meet this rank's own rows; the cache access
+        returns the partials to their owners and merges them."""
+        cfg = self.cfg
+        heads = q_nope.shape[1]
+        picks = None
+        if sels is not None:  # own queries' selections as position lists, -1 padded: what travels
+            picks = torch.full((out.shape[0], cfg.index_topk), -1, dtype=torch.long)
+            for i, req in enumerate(batch.requests):
+                for n, (qi, _) in enumerate(_query_chunks(req)):
+                    idx, valid = mask_to_indices(sels[i][n], min(cfg.index_topk, sels[i][n].shape[1]))
+                    picks[qi, : idx.shape[1]] = idx.masked_fill(~valid, -1)
+        keys: dict[int, tuple] = {}
+        q_own = torch.cat([q_nope, q_rope], dim=-1)
+        for block in batch.kv.query_blocks(self.layer, q_own, picks, cfg.v_head_dim):
+            for i in range(len(batch.requests)):
+                at, q, qpos, pick = block.queries(i)
+                if at.numel() == 0:
+                    continue
+                if i not in keys:
+                    latent, kpos = batch.kv.own_rows(self.layer, i)
+                    keys[i] = (*self._expand(latent, heads), kpos) if kpos.numel() else None
+                if keys[i] is None:  # this rank holds none of the request's rows
+                    continue
+                k, v, kpos = keys[i]
+                for c0 in range(0, at.numel(), EXTEND_QUERY_CHUNK):
+                    sl = slice(c0, c0 + EXTEND_QUERY_CHUNK)
+                    mask_of = None
+                    if pick is not None:
+                        mask_of = lambda kp, p=pick[sl], qp=qpos[sl]: _picked(p, kp, int(qp.max()) + 1)
+                    got = self._partial(q[sl], qpos[sl], k, v, kpos, mask_of)
+                    if got is not None:
+                        block.put(at[sl], *got)
+        out.copy_(batch.kv.merge_queries(self.layer))
 
     def _decode(self, batch, q_nope, q_rope, iq, iw, prev_sel):
         """One new token per request: absorbed MLA over the latent rows (sparse if DSA).

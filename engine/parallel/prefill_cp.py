@@ -39,6 +39,7 @@ from engine.cache.kvformat import KVFormat
 from engine.cache.pool import KVPool, resident_bytes, zeroed
 from engine.faults import faults
 from engine.handoff import kv_backend
+from engine.model.attention import extend_attention
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
 from engine.parallel.expert import prefill_dispatch
@@ -208,14 +209,15 @@ class PrefillRank:
         if self.sender is not None:
             self.sender.close(at_exit=True)
 
-    def run(self, plan: StepPlan, trace: bool = False, armed: dict | None = None):
+    def run(self, plan: StepPlan, trace: bool = False, armed: dict | None = None, ring_mode: str | None = None):
         """One extend forward over this rank's share of the plan's new tokens.
 
         ``armed`` ({req_id: (writes_by_rank, destination)}, layer-wise overlap): for those
         requests — whose prompt this forward completes — each layer's KV is pushed from a
         background thread as soon as the layer is stored, while later layers compute.
         Returns ({req_id: logits} for requests whose last prompt token this rank owns, seconds,
-        {req_id: push result} for armed requests).
+        {req_id: push result} for armed requests). ``ring_mode``: pass_kv or pass_q, the
+        driver's choice for this forward (the ring only; every rank gets the same).
         """
         t0 = time.perf_counter()
         ids, pos, new_slots, counts, kv_lens = batch_inputs(plan)
@@ -237,7 +239,7 @@ class PrefillRank:
                 logit_req.append(it.req_id)
         req_slots = [it.slots[: it.end] for it in plan.items]
         if self.cp_attention == "ring":
-            kv = RingKV(self, req_slots, torch.cat(new_slots)[own])
+            kv = RingKV(self, req_slots, torch.cat(new_slots)[own], layout, ring_mode or "pass_kv")
         else:
             prefix = [it.slots[: it.start] for it in plan.items]
             kv = CPKV(self, layout, torch.cat(new_slots), req_slots, torch.cat(prefix))
@@ -266,6 +268,26 @@ class PrefillRank:
             if any(layer in w.layers for w in mine):
                 futures.setdefault(rid, []).append(self.pusher.submit(
                     self.sender.push, mine, dest, self.pool.latent, self.pool.index, layer))
+
+    def calibrate(self) -> dict:
+        """The ring selector's measured constants on this rank (every rank at once: the ring's
+        sends run while the others compute, as in a forward): seconds per latent row expanded,
+        per query-key pair attended (layer 0's attention, this rank's dtype and threads), and
+        per byte sent to the next rank. Each the best of three."""
+        cfg, att = self.cfg, self.lm.model.layers[0].self_attn
+        heads, rows, queries = cfg.num_heads, 1024, 128
+        g = torch.Generator().manual_seed(self.rank)
+        latent = torch.randn(rows, cfg.latent_dim, generator=g).to(self.dtype)
+        row_s = _best_of_three(lambda: att._expand(latent, heads)) / rows
+        k, v = att._expand(latent, heads)
+        q = torch.randn(queries, heads, cfg.qk_head_dim, generator=g).to(self.dtype)
+        mask = torch.ones(queries, rows, dtype=torch.bool)
+        pair_s = _best_of_three(lambda: extend_attention(q, k, v, mask, att.scale, return_lse=True)) / (queries * rows)
+        buf = torch.zeros(1 << 20)
+        got = torch.empty_like(buf)
+        nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        byte_s = _best_of_three(lambda: self.comm.sendrecv(buf, nxt, got, prv)) / (buf.numel() * 4)
+        return {"row_s": row_s, "pair_s": pair_s, "byte_s": byte_s}
 
     # ---- inspection (call_rank: no collectives) -----------------------------------------
     def dump(self, slots: torch.Tensor) -> dict:
@@ -298,15 +320,26 @@ class PrefillRank:
         return weights_held(self.lm, self.shard)
 
 
+def _best_of_three(fn) -> float:
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 class CPRunner:
     """Driver side: sends each plan to every rank and merges their logits.
 
     ``arm(plan)`` (set by the engine) returns the layer-wise pushes to start during this plan's
     forward; their per-rank results land in ``push_results[req_id]``, and ``returned_at`` is
-    when the ranks' answers to the last forward were in (perf_counter)."""
+    when the ranks' answers to the last forward were in (perf_counter). ``choose(plan)`` (the
+    ring) picks pass_kv or pass_q for each forward; ``modes`` counts the choices."""
 
-    def __init__(self, group, trace: bool = False):
-        self.group, self.trace = group, trace
+    def __init__(self, group, trace: bool = False, choose=None):
+        self.group, self.trace, self.choose = group, trace, choose
+        self.modes: dict[str, int] = {}
         self.rank_seconds = [0.0] * group.world_size
         self.arm = None
         self.push_results: dict[int, list[dict]] = {}
@@ -319,7 +352,10 @@ class CPRunner:
         armed = self.arm(plan) if self.arm is not None else None
         merged: dict[int, torch.Tensor] = {}
         blocks: dict[int, list] = {}
-        answers = self.group.call("run", plan, self.trace, armed or None)
+        mode = self.choose(plan) if self.choose is not None else None
+        if mode is not None:
+            self.modes[mode] = self.modes.get(mode, 0) + 1
+        answers = self.group.call("run", plan, self.trace, armed or None, mode)
         self.returned_at = time.perf_counter()
         for r, (logits, seconds, pushed, scores) in enumerate(answers):
             merged.update(logits)

@@ -34,10 +34,67 @@ all-gather of index keys.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from engine.faults import faults
+from engine.model.attention import merge_partials
+
+
+RING_MODES = ("auto", "pass_kv", "pass_q")
+
+
+def check_ring_mode(mode: str) -> str:
+    if mode not in RING_MODES:
+        raise ValueError(f"cp_ring_mode: {mode!r} is not one of {', '.join(RING_MODES)}")
+    return mode
+
+
+@dataclass(frozen=True)
+class RingCosts:
+    """What the selector weighs, per attention layer. Bytes in the form that travels:
+    ``entry_bytes`` a cache entry as stored (FP8: one byte a value), ``query_bytes`` a query
+    (all heads, compute dtype, plus its DSA picks), ``output_bytes`` a query's partial output
+    and LSE (fp32). Measured constants (``PrefillRank.calibrate``, the slowest rank's):
+    ``pair_s`` seconds per query-key pair of extend attention, ``row_s`` seconds to expand one
+    latent row into its keys and values, ``byte_s`` seconds per byte sent round the ring."""
+
+    entry_bytes: int
+    query_bytes: int
+    output_bytes: int
+    pair_s: float
+    row_s: float
+    byte_s: float
+
+
+def ring_estimates(new: list[int], cached: list[int], c: int, costs: RingCosts) -> dict[str, float]:
+    """Seconds per attention layer on one rank, pass-KV and pass-Q, for a forward of requests
+    with ``new`` tokens over ``cached`` prefixes (Meta's rule, arXiv 2411.01783 §3, with MLA's
+    forms). Per ring step a rank attends its queries to a block: pairs/C² pairs, and (pass-KV)
+    expands the block's K/C rows; the transfer of the next block hides under that work, so only
+    what is longer shows:
+
+    - pass-KV moves K/C entries a step (K = Σ(T+P) keys): exposed (C−1)·max(0, K/C·e·β − step);
+    - pass-Q moves Q/C queries a step (Q = ΣT), expands only its own K/C rows once, then one
+      all-to-all sends (C−1)/C of the partials home, not hidden.
+
+    Pass-KV moves fewer bytes while T·q_bytes > (T+P)·e_bytes, i.e. T/(T+P) > e/q (1/128 for
+    absorbed MLA's 576-value entries against 128 heads × 576-value queries in one dtype); past
+    that line it can still win where attention hides its transfer, which is why the estimate
+    compares times, not bytes."""
+    keys = sum(t + p for t, p in zip(new, cached))
+    queries = sum(new)
+    pairs = sum(t * p + t * (t + 1) / 2 for t, p in zip(new, cached))
+    attend = pairs / (c * c) * costs.pair_s
+    expand = keys / c * costs.row_s
+    kv_step = attend + expand
+    kv_send = keys / c * costs.entry_bytes * costs.byte_s
+    pass_kv = c * kv_step + (c - 1) * max(0.0, kv_send - kv_step)
+    q_send = queries / c * costs.query_bytes * costs.byte_s
+    home = queries / c * (c - 1) / c * costs.output_bytes * costs.byte_s
+    pass_q = expand + c * attend + (c - 1) * max(0.0, q_send - attend) + home
+    return {"pass_kv": pass_kv, "pass_q": pass_q}
 
 
 class RingKV:
@@ -46,8 +103,9 @@ class RingKV:
     ``req_slots[i]``: request i's slots for positions [0, kv_len); ``new_slots``: the slots of
     this rank's own new tokens, in own-token order."""
 
-    def __init__(self, rank, req_slots: list[torch.Tensor], new_slots: torch.Tensor):
-        self.r = rank
+    def __init__(self, rank, req_slots: list[torch.Tensor], new_slots: torch.Tensor, layout=None,
+                 mode: str = "pass_kv"):
+        self.r, self.layout, self.ring_mode = rank, layout, mode
         c, me = rank.world, rank.rank
         if new_slots.numel() and bool((new_slots % c != me).any()):
             raise AssertionError("ring: a rank computes only the tokens it stores (striped layout)")
@@ -61,6 +119,10 @@ class RingKV:
         self.totals = [sum(cs) for cs in self.counts]
         self._index: dict[int, torch.Tensor] = {}  # indexer layer -> every request's keys, gathered
         self.on_stored = None
+        self._partials: dict[int, tuple] = {}  # pass-Q: source rank -> (out, lse) of its queries here
+        if layout is not None:  # pass-Q: every rank's queries (request, position), in its own order
+            self.q_req = [torch.tensor(rl.request_ids, dtype=torch.long) for rl in layout.ranks]
+            self.q_pos = [torch.tensor(rl.positions, dtype=torch.long) for rl in layout.ranks]
 
     # ---- writes --------------------------------------------------------------------------
     def store(self, layer, latent, index_key):
@@ -138,10 +200,88 @@ class RingKV:
             works.append(r.comm.isend(cur, (me + 1) % c))
         return works
 
+    # ---- pass-Q --------------------------------------------------------------------------
+    def own_rows(self, layer: int, req: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(request ``req``'s rows on this rank, decoded; their positions)."""
+        r, c, me = self.r, self.r.world, self.r.rank
+        at, n = sum(self.counts[me][:req]), self.counts[me][req]
+        rows = r.pool.latent(layer).index_select(0, self.rows[at : at + n])
+        return r.pool.fmt.decode_latent(layer, rows, r.dtype), _positions(me, self.kv_lens[req], c)
+
+    def query_blocks(self, layer: int, q: torch.Tensor, picks: torch.Tensor | None, dv: int):
+        """The C ranks' query blocks (own first): ``q`` [n, H, d] this rank's queries, ``picks``
+        [n, K] their DSA selections (positions, −1 padded) or None. The model ``put``s each
+        block's partials over this rank's rows; ``merge_queries`` sends them home."""
+        r, c, me = self.r, self.r.world, self.r.rank
+        stats = r.ring_stats
+        cur = (q, picks)
+        self._partials = {}
+        for step in range(c):
+            src = (me - step) % c
+            nxt, works = None, []
+            if step < c - 1:
+                n = len(self.q_pos[(src - 1) % c])
+                nxt = (q.new_empty(n, *q.shape[1:]), None if picks is None else picks.new_empty(n, picks.shape[1]))
+                for mine, theirs in zip(cur, nxt):
+                    if theirs is not None and theirs.numel():
+                        works.append(r.comm.irecv(theirs, (me - 1) % c))
+                    if mine is not None and mine.numel():
+                        works.append(r.comm.isend(mine, (me + 1) % c))
+            block = _QueryBlock(self, src, cur[0], cur[1], dv)
+            t0 = time.perf_counter()
+            yield block
+            t1 = time.perf_counter()
+            self._partials[src] = (block.out, block.lse)
+            if works:
+                ready = all(w.is_completed() for w in works)
+                for w in works:
+                    w.wait()
+                stats["ring_steps"] += 1
+                stats["ring_hidden_steps"] += int(ready)
+                stats["ring_attend_s"] += t1 - t0
+                stats["ring_exposed_s"] += time.perf_counter() - t1
+                stats["ring_bytes"] += sum(t.numel() * t.element_size() for t in cur if t is not None)
+            if nxt is not None:
+                cur = nxt
+
+    def merge_queries(self, layer: int) -> torch.Tensor:
+        """Every rank's partials of this rank's queries (one uneven all-to-all), merged by LSE:
+        the output [n, H, dv] of this rank's queries."""
+        r, c, me = self.r, self.r.world, self.r.rank
+        parts = [self._partials[s] for s in range(c)]
+        heads, dv = parts[0][0].shape[1], parts[0][0].shape[2]
+        packed = torch.cat([torch.cat([o.float(), l.unsqueeze(-1)], dim=-1).reshape(o.shape[0], -1)
+                            for o, l in parts])  # [Σ n_s, H·(dv + 1)]: source s's queries' partials
+        n_own = len(self.q_pos[me])
+        got = packed.new_empty(c * n_own, packed.shape[1])
+        r.comm.all_to_all(got, packed, [n_own] * c, [len(p) for p in self.q_pos])
+        r.ring_stats["ring_bytes"] += (packed.shape[0] - n_own) * packed.shape[1] * 4
+        got = got.view(c, n_own, heads, dv + 1)
+        out, _ = merge_partials(got[..., :dv], got[..., dv])
+        return out.to(parts[0][0].dtype)
+
     def decode_select(self, *a, **k):
         raise NotImplementedError("prefill CP ranks run extend steps only")
 
     decode_attention = decode_select
+
+
+class _QueryBlock:
+    """One rank's queries visiting this rank (pass-Q), and their partials over its rows."""
+
+    def __init__(self, kv: RingKV, src: int, q: torch.Tensor, picks: torch.Tensor | None, dv: int):
+        self.kv, self.src, self.q, self.picks = kv, src, q, picks
+        self.out = torch.zeros(q.shape[0], q.shape[1], dv, dtype=q.dtype)
+        self.lse = torch.full((q.shape[0], q.shape[1]), float("-inf"))
+
+    def queries(self, req: int):
+        """(their indices in the block, queries, positions, picks or None) of request ``req``."""
+        at = (self.kv.q_req[self.src] == req).nonzero().squeeze(1)
+        return at, self.q[at], self.kv.q_pos[self.src][at], None if self.picks is None else self.picks[at]
+
+    def put(self, at: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+        self.out[at] = out
+        self.lse[at] = lse
 
 
 class _Block:
@@ -154,7 +294,12 @@ class _Block:
 
     def rows(self, req: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(request ``req``'s entries in this block, decoded [n, latent_dim]; their positions)."""
-        kv, c = self.kv, self.kv.r.world
+        kv = self.kv
         n, at = kv.counts[self.src][req], self.starts[req]
         latent = kv.r.pool.fmt.decode_latent(self.layer, self.data[at : at + n], kv.r.dtype)
-        return latent, torch.arange(self.src, max(self.src, kv.kv_lens[req]), c)
+        return latent, _positions(self.src, kv.kv_lens[req], kv.r.world)
+
+
+def _positions(src: int, kv_len: int, c: int) -> torch.Tensor:
+    """Positions rank ``src`` holds of a history of ``kv_len`` keys: src, src + C, … < kv_len."""
+    return torch.arange(src, max(src, kv_len), c)
