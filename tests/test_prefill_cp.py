@@ -101,14 +101,16 @@ def test_cp_prefill_matches_reference(reference, cp, strategy, layer_split):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("cp,mode", [(2, "pass_kv"), (2, "pass_q"), (3, "pass_kv"), (3, "pass_q")])
-def test_ring_prefill_matches_reference(reference, cp, mode):
-    """--cp-attention ring (striped by position, every row on one rank only), pass-KV and
-    pass-Q: the reference's tokens, logits, cache entries and DSA selections, in one batch and
+@pytest.mark.parametrize("cp,strategy,mode", [(2, "interleave", "pass_kv"), (2, "zigzag", "pass_q"),
+                                              (3, "interleave", "pass_q"), (3, "zigzag", "pass_kv")])
+def test_ring_prefill_matches_reference(reference, cp, strategy, mode):
+    """--cp-attention ring (every row on one rank only: position p on rank p mod C), pass-KV
+    and pass-Q, queries striped (interleave) or zigzag (entries sent to the rank that stores
+    them): the reference's tokens, logits, cache entries and DSA selections, in one batch and
     chunked (each later chunk reads a cached prefix spread over the ranks)."""
     ref, ref_seqs, ref_pages, ref_trace = reference
-    with CPPrefillEngine("tiny", cp=cp, cp_attention="ring", cp_ring_mode=mode, record_logits=True,
-                         trace=True) as eng:
+    with CPPrefillEngine("tiny", cp=cp, strategy=strategy, cp_attention="ring", cp_ring_mode=mode,
+                         record_logits=True, trace=True) as eng:
         seqs, pages = run_capturing_pages(eng, prompts())
         for a, b in zip(seqs, ref_seqs):
             assert a.output_ids == b.output_ids
@@ -136,6 +138,7 @@ def test_ring_prefill_matches_reference(reference, cp, mode):
                     assert torch.equal(mask, ref_trace[layer][i][1][q_pos]), (r, layer, i)
         stats = eng.group.call("stats")
         assert all(st["ring_steps"] > 0 and st["ring_bytes"] > 0 and st["gathered_bytes"] == 0 for st in stats)
+        assert all((st["ring_route_bytes"] > 0) == (strategy == "zigzag") for st in stats)
         assert set(eng.runner.modes) == {mode}
         eng.scheduler.chunk_size = 17
         chunked = eng.generate(prompts(), FIRST)
@@ -168,6 +171,22 @@ def test_ring_serves_a_prompt_one_ranks_pool_cannot_hold():
         row_bytes = cfg.num_layers * cfg.latent_dim * 4 + len(cfg.indexer_layer_ids) * cfg.index_head_dim * 4
         for c in eng.group.call("cache_bytes"):  # the pages the prompt's rows were written to
             assert 0 < c["resident"] <= (-(-200 // 2) + page) * row_bytes + 2 * 4096 * cfg.num_layers
+
+
+@pytest.mark.timeout(120)
+def test_ring_prefix_cache_reuses_sharded_pages():
+    """The prefix cache over the ring's pages (page_size · C tokens, each rank holding its 1/C of
+    them): a second prompt sharing 100 tokens finds the whole pages among them cached and gives
+    the reference's token."""
+    head = prompts([100], seed=5)[0]
+    second = head + prompts([30], seed=6)[0]
+    ref = ReferenceEngine("tiny").generate([head + [7, 8], second], FIRST)
+    with CPPrefillEngine("tiny", cp=2, cp_attention="ring", prefix_cache=True) as eng:
+        first = eng.generate([head + [7, 8]], FIRST)[0]
+        again = eng.generate([second], FIRST)[0]
+        assert [first.output_ids, again.output_ids] == [s.output_ids for s in ref]
+        span = eng.scheduler.page_size * 2
+        assert again.num_cached == 100 // span * span > 0
 
 
 def _alive(pid: int) -> bool:

@@ -45,3 +45,12 @@ def test_mode_names_are_checked():
     assert check_ring_mode("auto") == "auto"
     with pytest.raises(ValueError, match="cp_ring_mode"):
         check_ring_mode("pass_x")
+
+
+def test_cp_attention_is_checked_against_the_layout():
+    from engine.parallel.prefill_cp import check_cp_attention
+    assert check_cp_attention("ring", "zigzag", False) == "ring"
+    with pytest.raises(ValueError, match="layer_split"):
+        check_cp_attention("ring", "interleave", True)
+    with pytest.raises(ValueError, match="cp_attention"):
+        check_cp_attention("rings", "interleave", False)

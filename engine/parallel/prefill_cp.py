@@ -149,7 +149,8 @@ class CPKV:
 
 
 CP_ATTENTION = ("allgather", "ring")
-RING_STATS = ("ring_steps", "ring_hidden_steps", "ring_attend_s", "ring_exposed_s", "ring_bytes", "ring_index_bytes")
+RING_STATS = ("ring_steps", "ring_hidden_steps", "ring_attend_s", "ring_exposed_s", "ring_bytes", "ring_index_bytes",
+              "ring_route_bytes")
 
 
 def check_cp_attention(cp_attention: str, strategy: str, layer_split: bool) -> str:
@@ -159,9 +160,6 @@ def check_cp_attention(cp_attention: str, strategy: str, layer_split: bool) -> s
     if cp_attention == "ring" and layer_split:
         raise ValueError("layer_split: the ring already keeps 1/C of every layer per rank; "
                          "layer split is for --cp-attention allgather")
-    if cp_attention == "ring" and strategy != "interleave":
-        raise ValueError(f"strategy: {strategy!r} under --cp-attention ring is not built yet; "
-                         "the ring runs the interleave (striped by position) layout")
     return cp_attention
 
 
@@ -175,8 +173,9 @@ class PrefillRank:
         if layer_split and strategy != "interleave":
             raise ValueError("layer_split: supported with the interleave strategy only")
         self.cp_attention = cp_attention
-        # ring: rows sharded by the DCP numbering, each rank computing the tokens it stores
-        self.token_layout = "striped" if cp_attention == "ring" else strategy
+        # ring: rows sharded by the DCP numbering; interleave means striped by position (each rank
+        # computes the tokens it stores), zigzag computes its blocks and sends each entry home
+        self.token_layout = "striped" if cp_attention == "ring" and strategy == "interleave" else strategy
         self.ring_stats = dict.fromkeys(RING_STATS, 0)
         self.rank, self.world, self.comm = ctx.rank, ctx.world_size, ctx.comm
         self.strategy, self.dtype = strategy, parse_dtype(dtype)
@@ -239,7 +238,7 @@ class PrefillRank:
                 logit_req.append(it.req_id)
         req_slots = [it.slots[: it.end] for it in plan.items]
         if self.cp_attention == "ring":
-            kv = RingKV(self, req_slots, torch.cat(new_slots)[own], layout, ring_mode or "pass_kv")
+            kv = RingKV(self, req_slots, torch.cat(new_slots), layout, ring_mode or "pass_kv")
         else:
             prefix = [it.slots[: it.start] for it in plan.items]
             kv = CPKV(self, layout, torch.cat(new_slots), req_slots, torch.cat(prefix))

@@ -101,15 +101,12 @@ class RingKV:
     """KVAccess of a ring CP rank for one forward (see the module docstring).
 
     ``req_slots[i]``: request i's slots for positions [0, kv_len); ``new_slots``: the slots of
-    this rank's own new tokens, in own-token order."""
+    the batch's new tokens (flattened batch order); ``layout``: who computes which of them."""
 
-    def __init__(self, rank, req_slots: list[torch.Tensor], new_slots: torch.Tensor, layout=None,
-                 mode: str = "pass_kv"):
+    def __init__(self, rank, req_slots: list[torch.Tensor], new_slots: torch.Tensor, layout, mode: str = "pass_kv"):
         self.r, self.layout, self.ring_mode = rank, layout, mode
         c, me = rank.world, rank.rank
-        if new_slots.numel() and bool((new_slots % c != me).any()):
-            raise AssertionError("ring: a rank computes only the tokens it stores (striped layout)")
-        self.new_rows = torch.div(new_slots, c, rounding_mode="floor")
+        self._route(new_slots, layout)
         self.kv_lens = [int(s.numel()) for s in req_slots]
         # rows this rank holds, request after request: positions me, me + C, ... < kv_len
         self.rows = torch.cat([torch.div(s[me::c], c, rounding_mode="floor") for s in req_slots]) \
@@ -120,17 +117,49 @@ class RingKV:
         self._index: dict[int, torch.Tensor] = {}  # indexer layer -> every request's keys, gathered
         self.on_stored = None
         self._partials: dict[int, tuple] = {}  # pass-Q: source rank -> (out, lse) of its queries here
-        if layout is not None:  # pass-Q: every rank's queries (request, position), in its own order
-            self.q_req = [torch.tensor(rl.request_ids, dtype=torch.long) for rl in layout.ranks]
-            self.q_pos = [torch.tensor(rl.positions, dtype=torch.long) for rl in layout.ranks]
+        # pass-Q: every rank's queries (request, position), in its own order
+        self.q_req = [torch.tensor(rl.request_ids, dtype=torch.long) for rl in layout.ranks]
+        self.q_pos = [torch.tensor(rl.positions, dtype=torch.long) for rl in layout.ranks]
+
+    def _route(self, new_slots: torch.Tensor, layout) -> None:
+        """Where this rank's computed entries go. Striped: nowhere (it stores what it computes).
+        Otherwise (zigzag) the token at slot s is stored by rank s mod C: ``send_order`` sorts
+        the own entries by that rank (``send_splits`` of them each), and ``recv_rows`` are the
+        rows, on this rank, of what each rank sends it (``recv_splits``), in that rank's order."""
+        c, me = self.r.world, self.r.rank
+        self.routed = layout.strategy != "striped"
+        computed = [new_slots[torch.tensor(rl.token_indices, dtype=torch.long)] for rl in layout.ranks]
+        if not self.routed:
+            if computed[me].numel() and bool((computed[me] % c != me).any()):
+                raise AssertionError("ring: a striped rank computes only the tokens it stores")
+            self.recv_rows = torch.div(computed[me], c, rounding_mode="floor")
+            return
+        dest = computed[me] % c
+        self.send_order = torch.argsort(dest, stable=True)
+        self.send_splits = torch.bincount(dest, minlength=c).tolist()
+        mine = [slots[slots % c == me] for slots in computed]  # each rank's tokens stored here, its order
+        self.recv_splits = [int(m.numel()) for m in mine]
+        self.recv_rows = torch.div(torch.cat(mine), c, rounding_mode="floor")
 
     # ---- writes --------------------------------------------------------------------------
     def store(self, layer, latent, index_key):
+        """Encode the computed entries (once, by the rank that computed them) and write them at
+        their rows — here (striped), or on the rank that stores each (zigzag: one uneven
+        all-to-all of stored bytes)."""
         faults().after_layer()
-        pool = self.r.pool
-        pool.latent(layer).index_copy_(0, self.new_rows, pool.fmt.encode_latent(layer, latent))
+        r, pool = self.r, self.r.pool
+        own = pool.fmt.encode_latent(layer, latent)
+        width = own.shape[1]
         if index_key is not None:
-            pool.index(layer).index_copy_(0, self.new_rows, pool.fmt.encode_index(index_key))
+            own = torch.cat([own, pool.fmt.encode_index(index_key)], dim=-1)
+        if self.routed:
+            got = own.new_empty(self.recv_rows.numel(), own.shape[1])
+            r.comm.all_to_all(got, own[self.send_order].contiguous(), self.recv_splits, self.send_splits)
+            r.ring_stats["ring_route_bytes"] += (own.shape[0] - self.send_splits[r.rank]) * own.shape[1] * own.element_size()
+            own = got
+        pool.latent(layer).index_copy_(0, self.recv_rows, own[:, :width])
+        if index_key is not None:
+            pool.index(layer).index_copy_(0, self.recv_rows, own[:, width:])
         if self.on_stored is not None:
             self.on_stored(layer)  # layer-wise overlap: this rank's rows of the layer are final
 
