@@ -26,7 +26,7 @@ from engine.model.tiny import resolve_model_dir
 from engine.parallel.expert import check_moe_parallel
 from engine.parallel.group import WorkerGroup
 from engine.parallel.prefill_cp import CPRunner, check_cp_attention
-from engine.parallel.ring import RingCosts, check_ring_mode, ring_estimates
+from engine.parallel.ring import RingCosts, check_ring_mode, pick_ring_mode, ring_estimates
 from engine.model.sampler import SamplingParams
 from engine.scheduler import Engine, Scheduler, Sequence
 from engine.cache.content_key import key_seed
@@ -103,7 +103,7 @@ class CPPrefillEngine(Engine):
                                    key_seed(self.fingerprint)),
                          CPRunner(self.group, trace, self._ring_mode if self.sharded else None))
         self.dtype = dtype
-        self.ring_costs = self._ring_costs() if self.sharded and self.cp_ring_mode == "auto" else None
+        self.ring_costs = self.measure_ring_costs() if self.sharded and self.cp_ring_mode == "auto" else None
         self.pending: list[PendingPrefill] = []
         self.overlap = overlap
         if overlap:
@@ -116,22 +116,22 @@ class CPPrefillEngine(Engine):
         new = [len(it.token_ids) for it in plan.items]
         cached = [it.start for it in plan.items]
         est = ring_estimates(new, cached, self.cp, self.ring_costs)
-        mode = "pass_q" if est["pass_q"] < est["pass_kv"] else "pass_kv"
+        mode = pick_ring_mode(est)
         logger.debug("ring: %s for %d new over %d cached tokens (estimates per layer: pass_kv %.3g s, "
                      "pass_q %.3g s)", mode, sum(new), sum(cached), est["pass_kv"], est["pass_q"])
         return mode
 
-    def _ring_costs(self) -> RingCosts:
+    def measure_ring_costs(self) -> RingCosts:
         """The selector's byte counts (stored entry, travelling query and partial) and the slowest
-        rank's measured constants."""
+        rank's measured constants (every rank runs ``PrefillRank.calibrate`` at once)."""
         cfg, fmt = self.cfg, self.kv_format
         measured = self.group.call("calibrate")
         worst = {k: max(m[k] for m in measured) for k in measured[0]}
         itemsize = torch.empty(0, dtype=parse_dtype(self.dtype)).element_size()
-        picks = 8 * cfg.index_topk if cfg.has_indexer else 0
         entry = fmt.entry_width * torch.empty(0, dtype=fmt.storage_dtype).element_size()
-        costs = RingCosts(entry_bytes=entry, query_bytes=cfg.num_heads * cfg.qk_head_dim * itemsize + picks,
-                          output_bytes=cfg.num_heads * (cfg.v_head_dim + 1) * 4, **worst)
+        costs = RingCosts(entry_bytes=entry, query_bytes=cfg.num_heads * cfg.qk_head_dim * itemsize,
+                          output_bytes=cfg.num_heads * (cfg.v_head_dim + 1) * 4,
+                          index_topk=cfg.index_topk if cfg.has_indexer else 0, **worst)
         logger.info("ring selector: %s", costs)
         return costs
 

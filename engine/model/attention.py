@@ -182,6 +182,14 @@ def topk_select(scores: torch.Tensor, k: int) -> torch.Tensor:
     return topk_mask(scores[None], k, torch.ones(1, n, dtype=torch.bool))[0].nonzero().squeeze(1)
 
 
+def pick_width(index_topk: int, kv_lens: list[int]) -> int:
+    """Positions a pass-Q query carries as its DSA picks in a batch of histories ``kv_lens``:
+    none while every history fits the top-k (the selection is then every causal key, which the
+    positions already say), else ``index_topk``. Every rank computes the same from the plan."""
+    longest = max(kv_lens, default=0)
+    return index_topk if 0 < index_topk < longest else 0
+
+
 def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of a 1-D candidate list under the same total order as :func:`topk_mask`.
 

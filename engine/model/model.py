@@ -25,6 +25,7 @@ from engine.model.attention import (
     extend_attention,
     mask_to_indices,
     merge_partials,
+    pick_width,
     sparse_extend_attention,
     topk_mask,
 )
@@ -378,11 +379,12 @@ class Attention(nn.Module):
         cfg = self.cfg
         heads = q_nope.shape[1]
         picks = None
-        if sels is not None:  # own queries' selections as position lists, -1 padded: what travels
-            picks = torch.full((out.shape[0], cfg.index_topk), -1, dtype=torch.long)
+        width = pick_width(cfg.index_topk, [req.kv_len for req in batch.requests]) if sels is not None else 0
+        if width:  # own queries' selections as position lists, -1 padded: what travels
+            picks = torch.full((out.shape[0], width), -1, dtype=torch.long)
             for i, req in enumerate(batch.requests):
                 for n, (qi, _) in enumerate(_query_chunks(req)):
-                    idx, valid = mask_to_indices(sels[i][n], min(cfg.index_topk, sels[i][n].shape[1]))
+                    idx, valid = mask_to_indices(sels[i][n], min(width, sels[i][n].shape[1]))
                     picks[qi, : idx.shape[1]] = idx.masked_fill(~valid, -1)
         keys: dict[int, tuple] = {}
         q_own = torch.cat([q_nope, q_rope], dim=-1)

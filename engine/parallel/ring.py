@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.faults import faults
-from engine.model.attention import merge_partials
+from engine.model.attention import merge_partials, pick_width
 
 
 RING_MODES = ("auto", "pass_kv", "pass_q")
@@ -56,8 +56,9 @@ def check_ring_mode(mode: str) -> str:
 class RingCosts:
     """What the selector weighs, per attention layer. Bytes in the form that travels:
     ``entry_bytes`` a cache entry as stored (FP8: one byte a value), ``query_bytes`` a query
-    (all heads, compute dtype, plus its DSA picks), ``output_bytes`` a query's partial output
-    and LSE (fp32). Measured constants (``PrefillRank.calibrate``, the slowest rank's):
+    (all heads, compute dtype), ``output_bytes`` a query's partial output and LSE (fp32);
+    ``index_topk`` (0 without a DSA indexer): a query whose history is longer than it also
+    carries its picks, 8 bytes a selected position. Measured constants (``PrefillRank.calibrate``, the slowest rank's):
     ``pair_s`` seconds per query-key pair of extend attention, ``row_s`` seconds to expand one
     latent row into its keys and values, ``byte_s`` seconds per byte sent round the ring."""
 
@@ -67,6 +68,7 @@ class RingCosts:
     pair_s: float
     row_s: float
     byte_s: float
+    index_topk: int = 0
 
 
 def ring_estimates(new: list[int], cached: list[int], c: int, costs: RingCosts) -> dict[str, float]:
@@ -86,16 +88,22 @@ def ring_estimates(new: list[int], cached: list[int], c: int, costs: RingCosts) 
     compares times, not bytes."""
     keys = sum(t + p for t, p in zip(new, cached))
     queries = sum(new)
+    query_bytes = costs.query_bytes + 8 * pick_width(costs.index_topk, [t + p for t, p in zip(new, cached)])
     pairs = sum(t * p + t * (t + 1) / 2 for t, p in zip(new, cached))
     attend = pairs / (c * c) * costs.pair_s
     expand = keys / c * costs.row_s
     kv_step = attend + expand
     kv_send = keys / c * costs.entry_bytes * costs.byte_s
     pass_kv = c * kv_step + (c - 1) * max(0.0, kv_send - kv_step)
-    q_send = queries / c * costs.query_bytes * costs.byte_s
+    q_send = queries / c * query_bytes * costs.byte_s
     home = queries / c * (c - 1) / c * costs.output_bytes * costs.byte_s
     pass_q = expand + c * attend + (c - 1) * max(0.0, q_send - attend) + home
     return {"pass_kv": pass_kv, "pass_q": pass_q}
+
+
+def pick_ring_mode(estimates: dict[str, float]) -> str:
+    """The faster of :func:`ring_estimates`' two; a tie goes to pass-KV."""
+    return "pass_q" if estimates["pass_q"] < estimates["pass_kv"] else "pass_kv"
 
 
 class RingKV:
