@@ -90,7 +90,9 @@ def cmd_prefill(args, parser) -> int:
 
     t0 = time.perf_counter()
     with CPPrefillEngine(args.model, cp=args.cp, strategy=args.strategy, layer_split=args.layer_split,
-                         dtype=args.dtype, chunk_size=args.chunk_size, threads_per_rank=args.threads_per_rank,
+                         cp_attention=args.cp_attention, cp_ring_mode=args.cp_ring_mode, dtype=args.dtype,
+                         chunk_size=args.chunk_size,
+                         threads_per_rank=args.threads_per_rank,
                          max_cache_tokens=args.max_cache_tokens, moe_parallel=args.moe_parallel,
                          kv_cache_dtype=args.kv_cache_dtype) as engine:
         start_s = time.perf_counter() - t0
@@ -100,11 +102,13 @@ def cmd_prefill(args, parser) -> int:
         ranks = [{"rank": r, "seconds": round(engine.runner.rank_seconds[r], 4),
                   "cache_bytes": c["persistent"] + c["scratch"], "layers": c["layers"]} for r, c in enumerate(cache)]
     result = {"first_token": seq.output_ids[0], "ttft_ms": round(seq.ttft_ms, 3), "prompt_tokens": len(ids),
-              "cp": args.cp, "strategy": args.strategy, "layer_split": args.layer_split, "ranks": ranks}
+              "cp": args.cp, "strategy": args.strategy, "layer_split": args.layer_split,
+              "cp_attention": args.cp_attention, "ranks": ranks}
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"prefill of {len(ids)} tokens on CP={args.cp} ({args.strategy}{', layer split' if args.layer_split else ''}); "
+    print(f"prefill of {len(ids)} tokens on CP={args.cp} ({args.strategy}{', layer split' if args.layer_split else ''}, "
+          f"{args.cp_attention} attention); "
           f"group start {start_s:.1f} s")
     print(f"first token: {seq.output_ids[0]} ({tokenizer_from_args(args).decode(seq.output_ids)!r})   TTFT {seq.ttft_ms:.1f} ms")
     for r in ranks:
@@ -204,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=2, help="context-parallel ranks")
     p.add_argument("--strategy", default="interleave", choices=["interleave", "zigzag"])
     p.add_argument("--layer-split", action="store_true", help="each rank keeps only its range of layers")
+    p.add_argument("--cp-attention", default="allgather", choices=["allgather", "ring"],
+                   help="allgather (default: every rank ends with every row) or ring (blocks passed round the "
+                        "ring over a cache sharded 1/C per rank, striped by position; no --layer-split)")
+    p.add_argument("--cp-ring-mode", default="auto", choices=["auto", "pass_kv", "pass_q"],
+                   help="the ring's mode per forward: pass_kv, pass_q or auto (default: the selector's choice)")
     add_moe_parallel_arg(p)
     add_kv_cache_dtype_arg(p)
     p.add_argument("--chunk-size", type=int, default=4096)

@@ -25,8 +25,9 @@ from engine.model.loader import parse_dtype, resolve_dtype
 from engine.model.tiny import resolve_model_dir
 from engine.parallel.expert import check_moe_parallel
 from engine.parallel.group import WorkerGroup
-from engine.parallel.prefill_cp import CPRunner, check_cp_attention
-from engine.parallel.ring import RingCosts, check_ring_mode, pick_ring_mode, ring_estimates
+from engine.parallel.layout import check_cp_attention, check_ring_mode
+from engine.parallel.prefill_cp import CPRunner
+from engine.parallel.ring import RingCosts, pick_ring_mode, ring_estimates
 from engine.model.sampler import SamplingParams
 from engine.scheduler import Engine, Scheduler, Sequence
 from engine.cache.content_key import key_seed
@@ -97,8 +98,10 @@ class CPPrefillEngine(Engine):
                                  threads_per_rank=threads_per_rank, name="prefill")
         self.group.ready()
         self.fingerprint = layout_fingerprint(self.cfg, dtype, self.kv_format)
-        logger.info("prefill CP: %d ranks, %s attention, %s layout%s", cp, cp_attention,
-                    "striped" if self.sharded else strategy, ", layer split" if layer_split else "")
+        logger.info("prefill CP: %d ranks, %s attention, %s queries, cache %s%s", cp, cp_attention,
+                    "striped" if self.sharded and strategy == "interleave" else strategy,
+                    "striped by position (1/C a rank)" if self.sharded else "whole on every rank",
+                    ", layer split" if layer_split else "")
         super().__init__(Scheduler(self.cfg, num_pages, page_size, chunk_size, shards, record_logits, prefix_cache,
                                    key_seed(self.fingerprint)),
                          CPRunner(self.group, trace, self._ring_mode if self.sharded else None))

@@ -40,6 +40,11 @@ def _die_with_parent(parent_pid: int):
     return arm
 
 
+class StartError(RuntimeError):
+    """A service of the cluster ended before it was up; the message is its own error line (the
+    field it refused) if it printed one, else the tail of its output."""
+
+
 class Child:
     """One service process; its output (start-up included) is echoed with a ``[kind]`` prefix
     unless ``quiet``.
@@ -104,8 +109,9 @@ class Child:
 
     def _failed(self) -> typing.NoReturn:
         self.stop()
-        tail = "".join(self.lines[-15:])
-        raise RuntimeError(f"the {self.kind} service did not start (exit {self.proc.poll()}):\n{tail}")
+        errors = [line for line in self.lines if line.startswith("error: ")]  # a refused flag or config
+        why = errors[-1].removeprefix("error: ").strip() if errors else "\n" + "".join(self.lines[-15:])
+        raise StartError(f"the {self.kind} service did not start (exit {self.proc.poll()}): {why}")
 
     def signal_stop(self) -> None:
         """Ask the process to stop (SIGTERM) without waiting."""
@@ -149,6 +155,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-cp", type=int, default=None, help="prefill context-parallel ranks (default 2)")
     p.add_argument("--cp-strategy", choices=["interleave", "zigzag"], default=None)
     p.add_argument("--layer-split", action="store_true", default=None)
+    p.add_argument("--cp-attention", choices=["allgather", "ring"], default=None,
+                   help="how prefill's CP ranks attend across the prompt: allgather (default: every rank ends "
+                        "with every row) or ring (blocks passed round the ring over a cache sharded 1/C per rank, "
+                        "striped by position; no --layer-split)")
+    p.add_argument("--cp-ring-mode", choices=["auto", "pass_kv", "pass_q"], default=None,
+                   help="the ring's mode per forward: pass_kv (cache rows travel), pass_q (queries travel) or "
+                        "auto (default: the cheaper by the selector's estimate)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of earlier requests with the same prefix: prefill computes, and decode is "
                         "sent, only the new tokens (default: on; --no-prefix-cache: off on both services)")
@@ -301,7 +314,8 @@ def start_cluster(args: argparse.Namespace, port: int, grpc_port: int | None = 0
         for _ in range(args.prefill_services):
             children.append(Child("prefill", common + engine_common + ["--port", "0"] + _flags([
                 ("--cp", args.prefill_cp), ("--strategy", args.cp_strategy), ("--layer-split", args.layer_split),
-                reuse, ("--threads-per-rank", threads["prefill"]),
+                ("--cp-attention", args.cp_attention), ("--cp-ring-mode", args.cp_ring_mode), reuse,
+                ("--threads-per-rank", threads["prefill"]),
                 ("--overlap" if args.overlap else "--no-overlap", True if args.overlap is not None else None)]),
                 quiet, env=env))
         for _ in range(args.decode_services):
@@ -454,7 +468,11 @@ def run_up(args: argparse.Namespace, parser=None) -> int:
     with_default_model(args)
     t0 = time.perf_counter()
     print("starting prefill, decode and router services ...", flush=True)
-    children = start_cluster(args, args.port, args.grpc_port)
+    try:
+        children = start_cluster(args, args.port, args.grpc_port)
+    except StartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -509,7 +527,11 @@ def run_generate(args: argparse.Namespace, parser=None) -> int:
             parser.error(f"--prompt-ids: expected comma-separated integers, got {args.prompt_ids!r}")
     else:
         body["prompt"] = args.prompt
-    children = start_cluster(args, 0, None, quiet=True)
+    try:
+        children = start_cluster(args, 0, None, quiet=True)
+    except StartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         try:
             ids, ttft, tpot = stream_completion(children[-1].address, body, api_key_of(args))

@@ -203,3 +203,23 @@ def test_cpserve_up_demo_uses_the_model_name_of_its_config(tmp_path):
     assert served_name(cluster_args(["--config", str(cfg)])) == "/models/GLM"
     assert served_name(cluster_args(["--config", str(cfg), "--served-model-name", "x"])) == "x"
     assert served_name(cluster_args([])) == "tiny"
+
+
+@pytest.mark.parametrize("argv", [["up"], ["serve", "prefill"], ["prefill"]])
+def test_cp_attention_is_a_flag_of_every_command_that_starts_prefill(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert re.search(r"--cp-attention \{allgather,ring\}", out)
+    assert re.search(r"--cp-ring-mode \{auto,pass_kv,pass_q\}", out)
+
+
+@pytest.mark.timeout(120)
+def test_cpserve_up_refuses_a_ring_with_layer_split_naming_the_field(capsys):
+    """The prefill service `up` starts refuses the combination before loading the model; `up`
+    stops the others and says why in one line, without a traceback."""
+    code = main(["up", "--model", "tiny", "--cp-attention", "ring", "--layer-split", "--no-demo"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert re.search(r"^error: the prefill service did not start \(exit 2\): prefill\.layer_split: ", err, re.M), err

@@ -2,7 +2,8 @@
 
 import pytest
 
-from engine.parallel.ring import RingCosts, check_ring_mode, ring_estimates
+from engine.parallel.layout import check_ring_mode
+from engine.parallel.ring import RingCosts, ring_estimates
 
 # an absorbed-MLA-sized case: a 576-value entry (fp32) against 128 heads × 576-value queries,
 # with constants of the order this machine measures (PrefillRank.calibrate)
@@ -48,7 +49,7 @@ def test_mode_names_are_checked():
 
 
 def test_cp_attention_is_checked_against_the_layout():
-    from engine.parallel.prefill_cp import check_cp_attention
+    from engine.parallel.layout import check_cp_attention
     assert check_cp_attention("ring", "zigzag", False) == "ring"
     with pytest.raises(ValueError, match="layer_split"):
         check_cp_attention("ring", "interleave", True)

@@ -293,3 +293,24 @@ def layer_owner(layer: int, num_layers: int, cp: int) -> int:
     if layer < boundary:
         return layer // (base + 1)
     return extra + (layer - boundary) // base
+
+
+CP_ATTENTION: tuple[str, ...] = ("allgather", "ring")
+RING_MODES: tuple[str, ...] = ("auto", "pass_kv", "pass_q")
+
+
+def check_cp_attention(cp_attention: str, strategy: str, layer_split: bool) -> str:
+    """The CP attention mechanism (engine/parallel/prefill_cp.py, engine/parallel/ring.py),
+    checked against the layout it is asked to run with."""
+    if cp_attention not in CP_ATTENTION:
+        raise ValueError(f"cp_attention: {cp_attention!r} is not one of {', '.join(CP_ATTENTION)}")
+    if cp_attention == "ring" and layer_split:
+        raise ValueError("layer_split: the ring already keeps 1/C of every layer per rank; "
+                         "layer split is for --cp-attention allgather")
+    return cp_attention
+
+
+def check_ring_mode(mode: str) -> str:
+    if mode not in RING_MODES:
+        raise ValueError(f"cp_ring_mode: {mode!r} is not one of {', '.join(RING_MODES)}")
+    return mode

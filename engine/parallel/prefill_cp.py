@@ -43,7 +43,7 @@ from engine.model.attention import extend_attention
 from engine.model.batch import ForwardBatch, RequestView
 from engine.model.loader import load_model, parse_dtype
 from engine.parallel.expert import prefill_dispatch
-from engine.parallel.layout import layer_owner, layer_owner_ranges, split_batch
+from engine.parallel.layout import check_cp_attention, layer_owner, layer_owner_ranges, split_batch
 from engine.parallel.ring import RingKV
 from engine.parallel.shard import WeightShard, weights_held
 from engine.plan import StepPlan
@@ -148,19 +148,8 @@ class CPKV:
     decode_attention = decode_select
 
 
-CP_ATTENTION = ("allgather", "ring")
 RING_STATS = ("ring_steps", "ring_hidden_steps", "ring_attend_s", "ring_exposed_s", "ring_bytes", "ring_index_bytes",
               "ring_route_bytes")
-
-
-def check_cp_attention(cp_attention: str, strategy: str, layer_split: bool) -> str:
-    """The CP attention mechanism, checked against the layout it is asked to run with."""
-    if cp_attention not in CP_ATTENTION:
-        raise ValueError(f"cp_attention: {cp_attention!r} is not one of {', '.join(CP_ATTENTION)}")
-    if cp_attention == "ring" and layer_split:
-        raise ValueError("layer_split: the ring already keeps 1/C of every layer per rank; "
-                         "layer split is for --cp-attention allgather")
-    return cp_attention
 
 
 class PrefillRank:

@@ -42,14 +42,7 @@ from engine.faults import faults
 from engine.model.attention import merge_partials, pick_width
 
 
-RING_MODES = ("auto", "pass_kv", "pass_q")
 HIDDEN_WAIT_S = 1e-4  # a step whose transfer needed less waiting than this after attention counts as hidden
-
-
-def check_ring_mode(mode: str) -> str:
-    if mode not in RING_MODES:
-        raise ValueError(f"cp_ring_mode: {mode!r} is not one of {', '.join(RING_MODES)}")
-    return mode
 
 
 @dataclass(frozen=True)

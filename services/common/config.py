@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -126,10 +126,24 @@ class PrefillConfig(_ServiceConfig):
     cp: int = Field(2, ge=1)
     strategy: Literal["interleave", "zigzag"] = "interleave"
     layer_split: bool = False
+    # how the CP ranks attend across the prompt: allgather = every layer's new entries are
+    # all-gathered, every rank holds every row; ring = blocks passed round the ring over a cache
+    # sharded 1/C per rank, striped by position (no layer split; engine/parallel/ring.py)
+    cp_attention: Literal["allgather", "ring"] = "allgather"
+    # the ring's mode per forward: pass_kv (cache rows travel), pass_q (queries travel), or auto
+    # (the cheaper by the selector's estimate, from constants measured at start-up)
+    cp_ring_mode: Literal["auto", "pass_kv", "pass_q"] = "auto"
     # push each layer's KV to decode while later layers compute (the hand-off then adds only
     # the last layer's push to TTFT); --no-overlap: push the whole prompt after its forward
     overlap: bool = True
     chunk_size: int = Field(4096, ge=1)
+
+    @model_validator(mode="after")
+    def _check_cp_attention(self) -> "PrefillConfig":
+        from engine.parallel.layout import check_cp_attention  # the engine's rule (a torch-free module)
+
+        check_cp_attention(self.cp_attention, self.strategy, self.layer_split)
+        return self
 
     @property
     def ranks(self) -> int:
@@ -139,7 +153,7 @@ class PrefillConfig(_ServiceConfig):
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of engine.prefill_engine.CPPrefillEngine."""
         return dict(model=self.model, cp=self.cp, strategy=self.strategy, layer_split=self.layer_split,
-                    overlap=self.overlap,
+                    cp_attention=self.cp_attention, cp_ring_mode=self.cp_ring_mode, overlap=self.overlap,
                     dtype=self.dtype, generation_config=self.generation_config, chunk_size=self.chunk_size,
                     page_size=self.page_size,
                     max_cache_tokens=self.max_cache_tokens, threads_per_rank=self.thread_plan.threads,
@@ -194,7 +208,11 @@ def _describe(section: str, err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         where = ".".join(str(x) for x in e["loc"])
-        parts.append(f"{section}.{where}: {e['msg']}" if where else f"{section}: {e['msg']}")
+        msg = e["msg"].removeprefix("Value error, ")  # our validators' messages stand alone
+        head, sep, rest = msg.partition(": ")
+        if not where and sep and head.isidentifier():  # a check across fields names the one to change
+            where, msg = head, rest
+        parts.append(f"{section}.{where}: {msg}" if where else f"{section}: {msg}")
     return "; ".join(parts)
 
 

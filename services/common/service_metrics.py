@@ -17,6 +17,12 @@ cpserve_<kind>_step_seconds                  histogram: one engine step (a forwa
 cpserve_prefill_requests_total               prefill requests this service answered
 cpserve_prefill_kv_transfer_bytes_total      KV bytes this service wrote to decode
 cpserve_prefill_kv_transfer_seconds_total    time its ranks spent in those writes (slowest rank)
+cpserve_prefill_ring_bytes_total             ring CP: bytes the ranks passed round the ring (rows under
+                                             pass-KV; queries and their returned partials under pass-Q)
+cpserve_prefill_ring_attend_seconds_total    ring CP: rank-seconds of attention with a message in flight
+cpserve_prefill_ring_exposed_seconds_total   ring CP: rank-seconds waited for it after that attention
+                                             (0: the ring hid behind attention; exposed ÷ attend: the wait
+                                             per second of attention)
 ===========================================  ==================================================
 """
 
@@ -85,7 +91,22 @@ class ServiceMetrics:
             self.transfer_seconds = Counter("cpserve_prefill_kv_transfer_seconds",
                                             "Seconds the ranks spent in KV writes (slowest rank per request)",
                                             registry=r)
+            # ring CP attention only (allgather: they stay 0); summed over the ranks
+            self.ring_bytes = Counter("cpserve_prefill_ring_bytes", "Bytes passed round the ring (rows or queries)",
+                                      registry=r)
+            self.ring_attend_seconds = Counter("cpserve_prefill_ring_attend_seconds",
+                                               "Rank-seconds of attention while a ring message was in flight",
+                                               registry=r)
+            self.ring_exposed_seconds = Counter("cpserve_prefill_ring_exposed_seconds",
+                                                "Rank-seconds waited for a ring message after that attention "
+                                                "(communication not hidden)", registry=r)
         self._server = None
+
+    def count_ring(self, ring_bytes: int, ring_attend_s: float, ring_exposed_s: float) -> None:
+        """Add what the prefill ranks' ring counters grew by (services/prefill/server.py)."""
+        self.ring_bytes.inc(ring_bytes)
+        self.ring_attend_seconds.inc(ring_attend_s)
+        self.ring_exposed_seconds.inc(ring_exposed_s)
 
     def serve(self, host: str, port: int) -> int:
         """Serve ``/metrics`` over HTTP on ``host:port`` (0: a free port); returns the bound port."""

@@ -100,13 +100,16 @@ class DecodePeers:
         self.channels.clear()
 
 
-def _tick(engine: CPPrefillEngine) -> None:
+def _tick(engine: CPPrefillEngine) -> bool:
     """The write-lease heartbeats that are due, one forward over every queued prefill (batched
-    by the scheduler), then the hand-offs."""
+    by the scheduler), then the hand-offs; whether any request was handed off."""
     engine.renew_leases()
     if engine.has_work:
         engine.step()
-    engine.finish_ready()
+    return bool(engine.finish_ready())
+
+
+RING_COUNTERS = ("ring_bytes", "ring_attend_s", "ring_exposed_s")  # of the ranks' stats (prefill_cp.RING_STATS)
 
 
 def _fail_pending(engine: CPPrefillEngine, message: str) -> None:
@@ -131,9 +134,20 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         """Serve with ``engine`` (at start, and after a rebuild of a failed rank group: its new
         ranks have new transfer engines, so no session of the old group is reused)."""
         self.engine = engine
+        self._ring_seen = dict.fromkeys(RING_COUNTERS, 0)  # a new group's ranks count from zero
         self.loop = EngineLoop(engine, "prefill", self.config.max_queue, on_failure=self._on_failure,
-                               snapshot=_snapshot, has_work=lambda e: e.has_work or bool(e.pending), tick=_tick,
+                               snapshot=_snapshot, has_work=lambda e: e.has_work or bool(e.pending), tick=self._tick,
                                on_stop=_fail_pending)
+
+    def _tick(self, engine: CPPrefillEngine) -> None:
+        """:func:`_tick`; with ring CP attention and /metrics, then the ranks' ring counters after
+        each tick that handed requests off (one stats call to the group, between forwards)."""
+        if not _tick(engine) or self.metrics is None or not engine.sharded:
+            return
+        stats = engine.group.call("stats")
+        totals = {k: sum(s[k] for s in stats) for k in RING_COUNTERS}
+        self.metrics.count_ring(**{k: totals[k] - self._ring_seen[k] for k in RING_COUNTERS})
+        self._ring_seen = totals
 
     def _prefill(self, engine: CPPrefillEngine, prompt: list[int], params, dest: KvDestination, address: str,
                  is_active: Callable[[], bool], output_ids: list[int], num_forks: int, cache_salt: str):
@@ -213,7 +227,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         return response
 
     def metrics_state(self) -> dict:
-        """What /metrics reports: every CP rank keeps the same rows (layer split: for its layers)."""
+        """What /metrics reports: every CP rank keeps the same number of rows (layer split: for
+        its layers; ring: its 1/C share of each request, a page being page_size rows on each)."""
         used, free, cached, queries, hits = self.loop.snapshot
         cp = self.config.cp
         return {"rows_used": [used] * cp, "rows_free": [free] * cp, "rows_cached": [cached] * cp,
@@ -248,6 +263,8 @@ def serve_prefill(config: PrefillConfig, engine: CPPrefillEngine | None = None):
     _, server, port, _, shutdown = rpc.serve_engine(
         "prefill", engine, lambda on_failure: PrefillService(engine, config, on_failure=on_failure, plane=plane),
         prefill_pb2_grpc.add_PrefillServicer_to_server, SERVICE_NAME, config, config.max_queue + 16,
-        f"cp={config.cp}, {config.strategy}{', layer split' if config.layer_split else ''}, model {config.model}, "
+        f"cp={config.cp}, {config.strategy}{', layer split' if config.layer_split else ''}, "
+        f"{config.cp_attention} attention{f' ({config.cp_ring_mode})' if config.cp_attention == 'ring' else ''}, "
+        f"model {config.model}, "
         f"dtype {engine.dtype}", plane, make_engine)
     return server, port, shutdown
