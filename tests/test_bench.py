@@ -15,11 +15,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # smaller than --quick where a benchmark allows it: this checks that it runs, not its figures
 SMALLER = {"kv_transfer": ["--tokens", "1024,2048", "--repeats", "1"], "serving": ["--concurrency", "1,4"],
            "memory": ["--groups", "2"], "engine": ["--batches", "1,4", "--new-tokens", "8"],
-           "prefill_cp": ["--lengths", "1024,2048", "--balance-tokens", "16384"],
+           "prefill_cp": ["--lengths", "1024,2048", "--balance-tokens", "16384", "--ring-lengths", "1024",
+                          "--sweep-tokens", "1024", "--sweep-fractions", "1/16,1"],
            "needle": ["--lengths", "512", "--depths", "0,1", "--layouts", "cp2-interleave/dcp2"]}
 BENCHES = {  # benchmark → (plot it writes, a key its JSON must have)
     "reference": ("reference.png", "results"),
-    "prefill_cp": ("prefill_cp.png", "runtime_s"),
+    "prefill_cp": ("prefill_cp.png", "ring_sweep"),
     "decode_dcp": ("decode_dcp.png", "runtime_s"),
     "kv_transfer": ("kv_transfer.png", "runtime_s"),
     "serving": ("serving.png", "token_ids_match"),
