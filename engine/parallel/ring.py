@@ -51,9 +51,10 @@ class RingCosts:
     ``entry_bytes`` a cache entry as stored (FP8: one byte a value), ``query_bytes`` a query
     (all heads, compute dtype), ``output_bytes`` a query's partial output and LSE (fp32);
     ``index_topk`` (0 without a DSA indexer): a query whose history is longer than it also
-    carries its picks, 8 bytes a selected position. Measured constants (``PrefillRank.calibrate``, the slowest rank's):
-    ``pair_s`` seconds per query-key pair of extend attention, ``row_s`` seconds to expand one
-    latent row into its keys and values, ``byte_s`` seconds per byte sent round the ring."""
+    carries its picks, 8 bytes a selected position. Measured constants
+    (``PrefillRank.calibrate``, the slowest rank's): ``pair_s`` seconds per query-key pair of
+    extend attention, ``row_s`` seconds to expand one latent row into its keys and values,
+    ``byte_s`` seconds per byte sent round the ring."""
 
     entry_bytes: int
     query_bytes: int
